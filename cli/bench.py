@@ -1,0 +1,33 @@
+"""`mlxspec bench`: decode speed, achieved bandwidth and roofline, side by side with mlx-lm."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mlxspec.cli.common import model_option
+
+
+@click.command("bench")
+@model_option
+@click.option("--prompt", default=None, help="Prompt to decode from (a default story prompt).")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=8))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def command(model, prompt, max_tokens, repeats, as_json):
+    """Measure prompt and decode tokens/s, achieved bandwidth and roofline fraction for mlxspec
+    and plain mlx-lm on the same model and prompt, in one run.
+
+    \b
+    Examples:
+      mlxspec bench
+      mlxspec bench -m ./smollm2-q4 --max-tokens 128 --json
+    """
+    from mlxspec.benchmark import DEFAULT_PROMPT, compare_decode, format_table
+
+    result = compare_decode(
+        model, prompt=prompt or DEFAULT_PROMPT, max_tokens=max_tokens, repeats=repeats,
+        progress=None if as_json else (lambda msg: click.echo(f"... {msg}", err=True)),
+    )
+    click.echo(json.dumps(result, indent=2, default=str) if as_json else format_table(result))

@@ -1,0 +1,113 @@
+"""`mlxspec chat`: an interactive multi-turn chat that reuses the KV cache across turns."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from mlxspec.cli.common import model_option, sampling_options, stats_line
+from mlxspec.cli.speculative_options import load_draft, speculative_options
+
+HELP = """commands:
+  /reset         forget the conversation
+  /system TEXT   set the system prompt (empty TEXT removes it)
+  /stats         statistics of the last reply
+  /help          this help
+  /quit          exit (Ctrl-D too); Ctrl-C stops a reply"""
+
+
+def _read_line(interactive: bool) -> str | None:
+    """One line of user input, or None at end of input (Ctrl-D)."""
+    try:
+        if interactive:
+            return input(">> ")
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line else None
+    except EOFError:
+        return None
+
+
+@click.command("chat")
+@model_option
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--max-kv-size", default=None, type=click.IntRange(min=16),
+              help="Keep at most this many tokens in a rotating KV cache.")
+@click.option("--live-stats", is_flag=True, help="Print a statistics line after every reply.")
+@sampling_options
+@speculative_options
+def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top_k, min_p,
+            seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+    """Chat with a model. Only each new turn is prefilled: the KV cache is kept between turns.
+
+    Reads one user turn per line; works in a terminal and from a pipe.
+
+    \b
+    Examples:
+      mlxspec chat
+      mlxspec chat --system "You answer in one sentence." --temp 0.7
+      printf 'Hi!\\nWhat did I just say?\\n' | mlxspec chat
+    \b
+    In the chat: /reset, /system TEXT, /stats, /help, /quit; Ctrl-C stops a reply, Ctrl-D exits.
+    """
+    import mlx.core as mx
+
+    from mlxspec.chat import ChatSession
+    from mlxspec.load import load, model_bytes
+
+    nn_model, tokenizer = load(model)
+    draft = load_draft(draft_model)
+    if seed is not None:
+        mx.random.seed(seed)
+    session = ChatSession(
+        nn_model, tokenizer, system=system, max_kv_size=max_kv_size, max_tokens=max_tokens,
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, draft_model=draft,
+        num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+    )
+    nbytes = model_bytes(nn_model)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        click.echo("mlxspec chat — /help for commands, Ctrl-D to exit.")
+    while True:
+        try:
+            line = _read_line(interactive)
+        except KeyboardInterrupt:
+            click.echo("\n(Ctrl-D or /quit exits)")
+            continue
+        if line is None or line.strip() in ("/quit", "/exit"):
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/help":
+            click.echo(HELP)
+        elif text == "/reset":
+            session.reset()
+            click.echo("(conversation cleared)")
+        elif text == "/system" or text.startswith("/system "):
+            session.set_system(text[len("/system"):].strip() or None)
+            click.echo("(system prompt set)" if session.system else "(system prompt removed)")
+        elif text == "/stats":
+            click.echo(_stats(session, nbytes) if session.last else "(no reply yet)")
+        elif text.startswith("/"):
+            click.echo(f"unknown command {text.split()[0]}; /help lists them")
+        else:
+            reply = session.stream_reply(text)
+            try:
+                for response in reply:
+                    click.echo(response.text, nl=False)
+            except KeyboardInterrupt:
+                click.echo(" [interrupted]", nl=False)
+            finally:
+                reply.close()  # records the (partial) reply and re-syncs the cache
+            click.echo()
+            if live_stats and session.last:
+                click.echo(_stats(session, nbytes), err=True)
+
+
+def _stats(session, nbytes: int) -> str:
+    line = stats_line(session.last, nbytes)
+    line += f" | prefilled this turn: {session.prefilled_tokens} (rest from cache)"
+    if session.last.spec_stats is not None:
+        line += "\n" + session.last.spec_stats.summary()
+    return line

@@ -1,0 +1,80 @@
+"""`mlxspec generate`: stream a completion for one prompt."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from mlxspec.cli.common import model_option, sampling_options, stats_line
+from mlxspec.cli.speculative_options import load_draft, speculative_options
+
+
+@click.command("generate")
+@model_option
+@click.option("--prompt", "-p", default="Tell me a short story about a robot who learns to paint.",
+              show_default=True, help="The prompt; '-' reads it from standard input.")
+@click.option("--system", default=None, help="System prompt (with the chat template).")
+@click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--stop", multiple=True, help="Stop when this string is generated (repeatable).")
+@click.option("--max-kv-size", default=None, type=click.IntRange(min=16),
+              help="Keep at most this many tokens in a rotating KV cache.")
+@sampling_options
+@speculative_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
+def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
+            top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
+            as_json):
+    """Generate text from a prompt, streaming it, then print speed and memory statistics.
+
+    \b
+    Examples:
+      mlxspec generate --prompt "What is the capital of France?"
+      mlxspec generate -m model.gguf -p "Once upon a time" --no-chat-template --temp 0.7
+      mlxspec generate --prompt-lookup -p "Add a docstring to: def f(x): return x*2"
+      echo "Explain DNS" | mlxspec generate -p - --json
+    """
+    from mlxspec.generate import stream_generate
+    from mlxspec.load import load, model_bytes
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    nn_model, tokenizer = load(model)
+    draft = load_draft(draft_model)
+    if tokenizer.chat_template and not no_chat_template:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text, last = "", None
+    for last in stream_generate(
+        nn_model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
+        top_k=top_k, min_p=min_p, seed=seed, stop=stop, max_kv_size=max_kv_size,
+        draft_model=draft, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
+        ngram_max=ngram_max,
+    ):
+        text += last.text
+        if not as_json:
+            click.echo(last.text, nl=False)
+    nbytes = model_bytes(nn_model)
+    if as_json:
+        result = {
+            "text": text,
+            "finish_reason": last.finish_reason,
+            "prompt_tokens": last.prompt_tokens,
+            "prompt_tps": last.prompt_tps,
+            "generation_tokens": last.generation_tokens,
+            "generation_tps": last.generation_tps,
+            "peak_memory_gb": last.peak_memory,
+            "model_bytes": nbytes,
+            "bandwidth_gbs": nbytes * last.generation_tps / 1e9,
+        }
+        if last.spec_stats is not None:
+            result["speculative"] = last.spec_stats.as_dict()
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo()
+    click.echo(stats_line(last, nbytes), err=True)
+    if last.spec_stats is not None:
+        click.echo(last.spec_stats.summary(), err=True)

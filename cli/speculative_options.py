@@ -1,0 +1,45 @@
+"""The speculative decoding options shared by `generate` and `chat`."""
+
+from __future__ import annotations
+
+import click
+
+
+def parse_num_draft_tokens(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise click.BadParameter(f"{value!r}: use 'auto' or a whole number >= 1")
+    return k
+
+
+def speculative_options(f):
+    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max."""
+    options = [
+        click.option("--draft-model", default=None,
+                     help="A smaller model sharing the tokenizer that proposes tokens."),
+        click.option("--num-draft-tokens", default="auto", show_default=True,
+                     callback=lambda ctx, param, v: parse_num_draft_tokens(v),
+                     help="Tokens drafted per step, or 'auto' to adapt to measured speed."),
+        click.option("--prompt-lookup", is_flag=True,
+                     help="Draft by matching n-grams of the prompt and output (no model)."),
+        click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(1, 8),
+                     help="Longest n-gram prompt lookup matches."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_draft(draft_model: str | None):
+    """The draft model, loaded with mlxspec.load, or None."""
+    if draft_model is None:
+        return None
+    from mlxspec.load import load
+
+    model, _ = load(draft_model)
+    return model

@@ -1,0 +1,137 @@
+"""Decode benchmark: mlxspec's plain decoding side by side with mlx-lm's, plus the roofline.
+
+Decode is memory-bound: every generated token reads the model's weights once, so
+``achieved bandwidth = bytes read per token × tokens/s`` and its ratio to the machine's measured
+copy bandwidth (the roofline fraction) says how much speed is left on the table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+DEFAULT_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Measured copy bandwidth in GB/s: best of ``repeats`` copies of a float32 array
+    (bytes read + bytes written, over wall time)."""
+    n = megabytes * (1 << 20) // 4
+    src = mx.random.uniform(shape=(n,))
+    mx.eval(src)
+    best = float("inf")
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        dst = src * 1.0
+        mx.eval(dst)
+        best = min(best, time.perf_counter() - tic)
+        del dst
+    return 2 * n * 4 / best / 1e9
+
+
+def _run_mlxspec(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
+    from mlxspec.generate import stream_generate
+
+    last = None
+    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
+        pass
+    return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
+            "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
+
+
+def _run_mlx_lm(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
+    from mlx_lm import stream_generate
+
+    last = None
+    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
+        pass
+    return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
+            "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
+
+
+def _median_runs(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def compare_decode(
+    model_spec: str | None = None,
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    max_tokens: int = 64,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Decode and prefill speed of mlxspec vs mlx-lm on the same model and prompt, in one process.
+
+    Runs alternate between the two (after one warm-up each) so that drift in machine load hits
+    both; medians of ``repeats`` runs are reported.
+
+    Returns:
+        dict with ``model``, ``model_bytes`` (bytes read per token), ``memory_bandwidth_gbs``,
+        per engine ``prompt_tps``, ``generation_tps``, ``bandwidth_gbs``, ``roofline``, and
+        ``decode_ratio`` / ``prefill_ratio`` (mlxspec ÷ mlx-lm).
+    """
+    from mlxspec.blas import blas_report
+    from mlxspec.load import load, model_bytes
+
+    say = progress or (lambda _msg: None)
+    say("loading model")
+    model, tokenizer = load(model_spec)
+    messages = [{"role": "user", "content": prompt}]
+    if tokenizer.chat_template:
+        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    nbytes = model_bytes(model)
+    say("measuring memory bandwidth")
+    bandwidth = memory_bandwidth()
+    engines = {"mlx_lm": _run_mlx_lm, "mlxspec": _run_mlxspec}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for name, run in engines.items():  # warm-up
+        run(model, tokenizer, prompt_ids, 8)
+    for i in range(repeats):
+        for name, run in engines.items():
+            say(f"run {i + 1}/{repeats}: {name}")
+            runs[name].append(run(model, tokenizer, prompt_ids, max_tokens))
+    result: dict[str, Any] = {
+        "model": model_spec or "default (SmolLM2-135M-Instruct)",
+        "prompt_tokens": len(prompt_ids),
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "model_bytes": nbytes,
+        "memory_bandwidth_gbs": bandwidth,
+        "blas": blas_report(measure=False),
+        "device": str(mx.default_device()),
+    }
+    for name, rs in runs.items():
+        med = _median_runs(rs)
+        med["bandwidth_gbs"] = nbytes * med["generation_tps"] / 1e9
+        med["roofline"] = med["bandwidth_gbs"] / bandwidth
+        result[name] = med
+    result["decode_ratio"] = result["mlxspec"]["generation_tps"] / result["mlx_lm"]["generation_tps"]
+    result["prefill_ratio"] = result["mlxspec"]["prompt_tps"] / result["mlx_lm"]["prompt_tps"]
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A readable table of ``compare_decode``'s result."""
+    lines = [
+        f"model: {result['model']}  ({result['model_bytes'] / 1e6:.0f} MB read per token)",
+        f"memory bandwidth (copy): {result['memory_bandwidth_gbs']:.1f} GB/s",
+        f"{'engine':<10}{'prompt tok/s':>14}{'decode tok/s':>14}{'GB/s':>8}{'roofline':>10}",
+    ]
+    for name in ("mlx_lm", "mlxspec"):
+        r = result[name]
+        lines.append(
+            f"{name:<10}{r['prompt_tps']:>14.1f}{r['generation_tps']:>14.1f}"
+            f"{r['bandwidth_gbs']:>8.2f}{r['roofline']:>9.0%} "
+        )
+    lines.append(
+        f"mlxspec / mlx-lm: decode {result['decode_ratio']:.2f}x, "
+        f"prefill {result['prefill_ratio']:.2f}x"
+    )
+    return "\n".join(lines)

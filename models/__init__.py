@@ -1,0 +1,1 @@
+"""Model recipes as data (JSON): known target/draft pairs, mixed-precision quantization recipes."""
