@@ -19,8 +19,9 @@ Packing: each row is one little-endian bit stream; element ``i`` occupies bits `
 ``i*bits + bits - 1`` of the stream, i.e. bit ``(i*bits) % 32`` onward of word ``(i*bits) // 32``
 (for 3 bits an element may run into the next word). For 2, 4 and 8 bits this is "element ``i`` of a
 word at bits ``(i % (32/bits)) * bits``". It is exactly MLX's affine packing, so ``weight`` is
-shared unchanged with ``mx.quantized_matmul``. Every 32 consecutive elements fill exactly ``bits``
-words (a "block"), and a group is a whole number of blocks, which is what the kernels iterate over.
+shared unchanged with ``mx.quantized_matmul``. Every 8 consecutive elements fill exactly ``bits``
+bytes (a "pack", the kernels' unit) and every 32 exactly ``bits`` words; a group is a whole number
+of both.
 
 Storage: ``bits + (16 + bits) / g`` bits per weight, against MLX affine's ``bits + 32 / g`` (a
 float16 bias costs 16 bits a group, a zero-point ``bits``): at 4 bits, g=64, 4.31 against 4.5. See
@@ -174,7 +175,7 @@ def dequantize(weight, scales, zeros, bits: int, group_size: int, dtype=None):
 
     Returns:
         ``(out, in)`` array of ``dtype``. The product is formed in float32, where it is exact
-        (at most 11 + 9 significant bits), and rounded once to ``dtype``: the same numbers as the
+        (at most 11 + 8 significant bits), and rounded once to ``dtype``: the same numbers as the
         Metal dequantize kernel and as a float64 reference rounded to ``dtype``.
     """
     weight, scales, zeros = _to_array(weight), _to_array(scales), _to_array(zeros)

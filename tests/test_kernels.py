@@ -1,0 +1,495 @@
+"""The zero-point kernels and their loader.
+
+Without a Mac, the Metal kernels run in the emulator of ``tests/metal_emu``: the exact text MLX
+generates, compiled with g++ against a shim of the Metal prelude, one OS thread per GPU thread.
+Passing here means "logic verified", never "Metal verified". Every result is compared with a
+float64 numpy reference built from the integer codes, and deliberately broken kernels show that
+the harness catches wrong bit order, missing barriers, barriers in non-uniform control flow,
+out-of-bounds reads, oversized shifts and address-space misuse.
+"""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from metal_emu import emulator
+from metal_emu.emulator import EmulationError
+
+from mlxspec.errors import MlxspecError, QuantizationError
+from mlxspec.quant import format, kernels
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the Metal emulator needs g++")
+needs_clang = pytest.mark.skipif(
+    emulator.clang() is None, reason="the address-space check needs clang (apt-get install clang)"
+)
+EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
+
+
+def make_layer(n, k, bits, group_size, scale_dtype=mx.float16, seed=0):
+    """Random codes and the packed layer; also the float64 dense weight w = s * (q - z)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 2**bits, (n, k))
+    z = rng.integers(0, 2**bits, (n, k // group_size))
+    scales = mx.array((rng.random((n, k // group_size)) * 0.05 + 1e-3).astype(np.float32))
+    scales = scales.astype(scale_dtype)
+    s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
+    dense = np.repeat(s64, group_size, 1) * (q - np.repeat(z, group_size, 1))
+    layer = (mx.array(format.pack(q, bits)), scales, mx.array(format.pack(z, bits)))
+    return layer, dense
+
+
+def make_input(shape, dtype, seed=1):
+    x = mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+    x = x.astype(dtype)
+    return x, np.array(x.astype(mx.float32)).astype(np.float64)
+
+
+def assert_matmul_close(y: mx.array, x64: np.ndarray, dense: np.ndarray, dtype, dense_in=None):
+    """y == x @ W.T up to float32 accumulation and one rounding to ``dtype``.
+
+    ``dense_in``: the dtype W was rounded to before a plain matmul (the dequantize path), which
+    adds up to one rounding of every weight and product to the error.
+    """
+    assert y.dtype == dtype
+    want = x64 @ dense.T
+    magnitude = np.abs(x64) @ np.abs(dense).T
+    got = np.array(y.astype(mx.float32)).astype(np.float64)
+    rounding = 2e-6 if dense_in is None or dense_in == mx.float32 else 2 * EPS[dense_in]
+    bound = EPS[dtype] * np.abs(want) + rounding * magnitude + 1e-30
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off, worst {np.abs(got - want).max()}"
+
+
+# --------------------------------------------------------------------------------------------
+# Loader and fallback (run everywhere).
+
+
+def test_backend_is_the_mlx_fallback_without_metal(monkeypatch):
+    if mx.metal.is_available():
+        monkeypatch.setenv("MLXSPEC_KERNELS", "mlx")
+    assert kernels.backend() == "mlx"
+    assert "MLX fallback" in kernels.describe()
+
+
+def test_check_on_device_refuses_clearly_without_metal():
+    if mx.metal.is_available():
+        pytest.skip("Metal is available: the check runs for real (mlxspec doctor --kernels)")
+    with pytest.raises(MlxspecError, match="needs Metal"):
+        kernels.check_on_device()
+
+
+@pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_fallback_matmul_matches_float64_reference(bits, dtype):
+    (weight, scales, zeros), dense = make_layer(40, 256, bits, 64)
+    x, x64 = make_input((2, 3, 256), dtype)
+    _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, 64)
+    for b in (None, biases):
+        y = kernels.fallback_matmul(x, weight, scales, zeros, bits=bits, group_size=64, biases=b)
+        assert y.shape == (2, 3, 40)
+        assert_matmul_close(y.reshape(6, 40), x64.reshape(6, 256), dense, dtype)
+
+
+def test_zp_matmul_uses_the_active_backend():
+    (weight, scales, zeros), dense = make_layer(8, 64, 4, 32)
+    x, x64 = make_input((1, 64), mx.float32)
+    y = kernels.zp_matmul(x, weight, scales, zeros, bits=4, group_size=32)
+    assert_matmul_close(y, x64, dense, mx.float32)
+
+
+def test_metal_matmul_refuses_inputs_it_cannot_run():
+    (weight, scales, zeros), _ = make_layer(8, 64, 4, 32)
+    with pytest.raises(QuantizationError, match="input has 32 features"):
+        kernels.metal_matmul(mx.zeros((1, 32)), weight, scales, zeros, bits=4, group_size=32)
+    with pytest.raises(QuantizationError, match="activations must be"):
+        kernels.metal_matmul(
+            mx.zeros((1, 64), mx.int32), weight, scales, zeros, bits=4, group_size=32
+        )
+    with pytest.raises(QuantizationError, match="group size 48"):
+        kernels.metal_matmul(mx.zeros((1, 64)), weight, scales, zeros, bits=4, group_size=48)
+
+
+# --------------------------------------------------------------------------------------------
+# Emulated kernels.
+
+
+def test_emulator_compiles_the_exact_text_mlx_generates():
+    (weight, scales, zeros), _ = make_layer(9, 64, 4, 32)
+    launch = dict(
+        inputs=[mx.zeros((64,), mx.float16), weight, scales, zeros, 64, 9],
+        template=[("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 32)],
+        grid=(32, 3, 1),
+        threadgroup=(32, 2, 1),
+        output_shapes=[(1, 9)],
+        output_dtypes=[mx.float16],
+    )
+    text = emulator.generated_source(kernels._kernel("zp_qmv"), launch)
+    assert text.startswith(kernels._source("zp_common.h"))
+    assert kernels._source("zp_qmv.metal") in text
+    assert (
+        "template <typename T, int BITS, int GROUP_SIZE>\n[[kernel]] void custom_kernel_zp_qmv_"
+        in text
+    )
+    assert "const device float16_t* x [[buffer(0)]]" in text
+    assert "const constant int32_t& K [[buffer(4)]]" in text
+    assert "uint3 thread_position_in_grid [[thread_position_in_grid]]" in text
+    assert text.rstrip().endswith("<float16_t, 4, 32>;")
+
+
+def emulate_matmul(x, layer, bits, group_size, flavor="plain", edit=None):
+    with emulator.emulated(flavor, edit) as emu:
+        y = kernels.metal_matmul(x, *layer, bits=bits, group_size=group_size)
+        mx.eval(y)
+    return y, [name for name, _, _ in emu.launches]
+
+
+# (bits, group size, K): K is a multiple of the group size but not of the 256/512 K steps, and
+# N = 33 leaves a partial simdgroup row set and a partial last threadgroup.
+BITS_GROUPS = [(b, g) for b in format.SUPPORTED_BITS for g in format.SUPPORTED_GROUP_SIZES]
+K_FOR_GROUP = {32: 352, 64: 576, 128: 640}
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits,group_size", BITS_GROUPS)
+def test_emulated_qmv_matches_float64_reference(bits, group_size):
+    k = K_FOR_GROUP[group_size]
+    layer, dense = make_layer(33, k, bits, group_size, seed=bits)
+    x, x64 = make_input((1, 1, k), mx.float16)
+    y, launched = emulate_matmul(x, layer, bits, group_size)
+    assert launched == ["zp_qmv"] and y.shape == (1, 1, 33)
+    assert_matmul_close(y.reshape(1, 33), x64.reshape(1, k), dense, mx.float16)
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "bits,group_size,m",
+    [
+        (2, 64, 5),
+        (3, 64, 7),
+        (4, 64, 8),
+        (8, 64, 6),
+        (4, 32, 3),
+        (4, 128, 16),
+        (4, 64, 2),
+        (8, 128, 11),
+    ],
+)
+def test_emulated_qmm_matches_float64_reference(bits, group_size, m):
+    k = K_FOR_GROUP[group_size]
+    layer, dense = make_layer(33, k, bits, group_size, seed=bits + m)
+    x, x64 = make_input((m, k), mx.float16, seed=m)
+    y, launched = emulate_matmul(x, layer, bits, group_size)
+    assert launched == ["zp_qmm"]
+    assert_matmul_close(y, x64, dense, mx.float16)
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "kernel_rows,dtype,scale_dtype",
+    [
+        (1, mx.bfloat16, mx.bfloat16),
+        (1, mx.float32, mx.float16),
+        (4, mx.bfloat16, mx.bfloat16),
+        (12, mx.float32, mx.bfloat16),
+    ],
+)
+def test_emulated_kernels_take_every_activation_dtype(kernel_rows, dtype, scale_dtype):
+    layer, dense = make_layer(21, 576, 4, 64, scale_dtype=scale_dtype)
+    x, x64 = make_input((kernel_rows, 576), dtype)
+    y, _ = emulate_matmul(x, layer, 4, 64)
+    assert_matmul_close(y, x64, dense, dtype)
+
+
+@needs_gxx
+def test_more_than_16_rows_dequantize_then_matmul():
+    layer, dense = make_layer(19, 320, 4, 32)
+    x, x64 = make_input((2, 10, 320), mx.float32)
+    y, launched = emulate_matmul(x, layer, 4, 32)
+    assert launched == ["zp_dequantize"] and y.shape == (2, 10, 19)
+    assert_matmul_close(y.reshape(20, 19), x64.reshape(20, 320), dense, mx.float32)
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "bits,group_size,k,dtype,scale_dtype",
+    [
+        (2, 32, 96, mx.float16, mx.float16),
+        (3, 32, 96, mx.float16, mx.float16),
+        (4, 32, 96, mx.float16, mx.float16),
+        (8, 32, 96, mx.float16, mx.float16),
+        (4, 64, 2112, mx.float32, mx.bfloat16),  # 264 packs a row: a partial threadgroup
+        (3, 128, 384, mx.bfloat16, mx.bfloat16),
+    ],
+)
+def test_emulated_dequantize_equals_format_dequantize_exactly(
+    bits, group_size, k, dtype, scale_dtype
+):
+    (weight, scales, zeros), _ = make_layer(13, k, bits, group_size, scale_dtype=scale_dtype)
+    with emulator.emulated():
+        got = kernels.metal_dequantize(
+            weight, scales, zeros, bits=bits, group_size=group_size, dtype=dtype
+        )
+    want = format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
+    assert got.dtype == dtype
+    assert mx.array_equal(got, want).item()
+
+
+@needs_gxx
+@pytest.mark.parametrize("rows", [1, 6])
+def test_kernels_are_race_free_under_thread_sanitizer(rows):
+    layer, dense = make_layer(33, 576, 4, 64)
+    x, x64 = make_input((rows, 576), mx.float16)
+    y, _ = emulate_matmul(x, layer, 4, 64, flavor="tsan")
+    assert_matmul_close(y, x64, dense, mx.float16)
+
+
+@needs_gxx
+@pytest.mark.parametrize("rows", [1, 6, 17])
+def test_kernels_stay_in_bounds_under_address_sanitizer(rows):
+    layer, dense = make_layer(33, 352, 3, 32)  # 3 bits: packs straddle words
+    x, x64 = make_input((rows, 352), mx.float16)
+    y, _ = emulate_matmul(x, layer, 3, 32, flavor="asan")
+    assert_matmul_close(y, x64, dense, mx.float16, dense_in=mx.float16 if rows > 16 else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Deliberately broken kernels are caught.
+
+
+def replacing(file_name: str, old: str, new: str):
+    """An emulator edit that replaces ``old`` (which must occur) in one kernel file."""
+
+    def edit(name: str, text: str) -> str:
+        if name != file_name:
+            return text
+        assert old in text, f"{old!r} not in {name}: update the broken-kernel test"
+        return text.replace(old, new, 1)
+
+    return edit
+
+
+@needs_gxx
+def test_wrong_nibble_order_is_caught():
+    layer, dense = make_layer(8, 256, 4, 64)
+    x, x64 = make_input((1, 256), mx.float32)
+    edit = replacing("zp_common.h", "(w >> (4 * j)) & 0xfu", "(w >> (4 * (7 - j))) & 0xfu")
+    y, _ = emulate_matmul(x, layer, 4, 64, edit=edit)
+    with pytest.raises(AssertionError, match="outputs off"):
+        assert_matmul_close(y, x64, dense, mx.float32)
+
+
+BARRIER = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+
+
+@needs_gxx
+@pytest.mark.parametrize("which", ["after staging", "before restaging"])
+def test_missing_barrier_is_caught_by_thread_sanitizer(which):
+    layer, _ = make_layer(33, 576, 4, 64)
+    x, _ = make_input((6, 576), mx.float16)
+
+    def drop_barrier(name, text):
+        if name != "zp_qmm.metal":
+            return text
+        at = text.index(BARRIER) if which == "after staging" else text.rindex(BARRIER)
+        return text[:at] + text[at + len(BARRIER) :]
+
+    with pytest.raises(EmulationError, match="ThreadSanitizer: data race"):
+        emulate_matmul(x, layer, 4, 64, flavor="tsan", edit=drop_barrier)
+
+
+@needs_gxx
+def test_reading_threadgroup_memory_nobody_wrote_gives_nan():
+    layer, _ = make_layer(33, 576, 4, 64)
+    x, _ = make_input((6, 576), mx.float16)
+    edit = replacing("zp_qmm.metal", "i += threads)", "i += 2 * threads)")  # stages half a tile
+    y, _ = emulate_matmul(x, layer, 4, 64, edit=edit)
+    assert np.isnan(np.array(y.astype(mx.float32))).any()
+
+
+@needs_gxx
+def test_barrier_in_non_uniform_control_flow_is_caught():
+    layer, _ = make_layer(31, 576, 4, 64)  # 8 simdgroups, the last one owns rows 28..30 only
+    x, _ = make_input((6, 576), mx.float16)
+    edit = replacing(
+        "zp_qmm.metal", "for (uint k0 = 0;", "if (n0 + ROWS > uint(N)) return;\nfor (uint k0 = 0;"
+    )
+    with pytest.raises(EmulationError, match="non-uniform control flow"):
+        emulate_matmul(x, layer, 4, 64, edit=edit)
+
+
+@needs_gxx
+def test_out_of_bounds_read_is_caught_even_when_the_numbers_are_right():
+    layer, dense = make_layer(33, 576, 4, 64)
+    x, x64 = make_input((6, 576), mx.float16)
+    edit = replacing("zp_qmm.metal", "(m < uint(M) && k < uint(K)) ?", "(m < uint(M)) ?")
+    y, _ = emulate_matmul(x, layer, 4, 64, edit=edit)
+    assert_matmul_close(y, x64, dense, mx.float16)  # the stray values are never used...
+    with pytest.raises(EmulationError, match="AddressSanitizer: heap-buffer-overflow"):
+        emulate_matmul(x, layer, 4, 64, flavor="asan", edit=edit)  # ...but they are read
+
+
+@needs_gxx
+def test_oversized_shift_is_caught_by_undefined_behaviour_sanitizer():
+    layer, _ = make_layer(37, 576, 2, 64)
+    x, _ = make_input((1, 576), mx.float16)
+    edit = replacing("zp_common.h", "row[p / 2] >> (16 * (p % 2))", "row[p / 2] >> (32 * (p % 2))")
+    with pytest.raises(EmulationError, match="shift exponent 32"):
+        emulate_matmul(x, layer, 2, 64, flavor="asan", edit=edit)
+
+
+# --------------------------------------------------------------------------------------------
+# Address spaces (clang), including inputs small enough for MLX to pass them as `constant`.
+
+
+def generated_sources(m: int, n: int, k: int, edit=None) -> list[str]:
+    """MLX's text for every kernel the loader launches for an (m, k) x (n, k)^T product."""
+    layer, _ = make_layer(n, k, 3, 32, scale_dtype=mx.bfloat16)
+    x, _ = make_input((m, k), mx.bfloat16)
+    emu = emulator.Emulator(edit=edit)
+    sources = []
+
+    def record(name, **launch):
+        sources.append(emu.source(name, launch))
+        return [
+            mx.zeros(s, d)
+            for s, d in zip(launch["output_shapes"], launch["output_dtypes"], strict=True)
+        ]
+
+    saved, kernels._launch = kernels._launch, record
+    try:
+        kernels.metal_matmul(x, *layer, bits=3, group_size=32)
+        kernels.metal_dequantize(*layer, bits=3, group_size=32, dtype=mx.float32)
+    finally:
+        kernels._launch = saved
+    return sources
+
+
+@needs_clang
+@pytest.mark.parametrize("m,n,k", [(1, 37, 352), (5, 37, 352), (16, 1, 32), (1, 1, 32)])
+def test_kernels_respect_address_spaces(m, n, k):
+    sources = generated_sources(m, n, k)
+    if n == 1:  # tiny layers: MLX passes the scales and zeros in the constant address space
+        assert any("const constant uint32_t* zeros" in s for s in sources)
+    for source in sources:
+        emulator.syntax_check(source)
+
+
+@needs_clang
+def test_address_space_misuse_is_caught_by_clang():
+    edit = replacing(
+        "zp_common.h",
+        "template <int BITS, typename Words>\ninline float zp_zero(Words zrow",
+        "template <int BITS>\ninline float zp_zero(const device uint32_t* zrow",
+    )
+    sources = generated_sources(1, 1, 32, edit=edit)
+    with pytest.raises(EmulationError, match="clang rejects"):
+        emulator.syntax_check(sources[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The emulator's own semantics, on a kernel written for the purpose.
+
+SELF_TEST = """
+const uint i = thread_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+threadgroup float partial[2];
+float v = x[threadgroup_position_in_grid.x * 64 + i];
+float total = simd_sum(v);
+float butterfly = v;
+for (ushort d = 16; d > 0; d /= 2) {
+  butterfly += simd_shuffle_xor(butterfly, d);
+}
+float down = simd_shuffle_down(v, 1);
+float prefix = simd_prefix_exclusive_sum(v);
+if (lane == 0) {
+  partial[simdgroup_index_in_threadgroup] = total;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const uint o = 5 * (threadgroup_position_in_grid.x * 64 + i);
+out[o] = total;
+out[o + 1] = butterfly;
+out[o + 2] = down;
+out[o + 3] = prefix;
+out[o + 4] = partial[0] + partial[1];
+"""
+
+
+@needs_gxx
+def test_emulator_simd_and_threadgroup_semantics():
+    kernel = mx.fast.metal_kernel(
+        name="emu_self_test", input_names=["x"], output_names=["out"], source=SELF_TEST
+    )
+    values = np.arange(128, dtype=np.float32) % 7 - 3  # exact in float32 whatever the order
+    launch = dict(
+        inputs=[mx.array(values)],
+        grid=(128, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(128, 5)],
+        output_dtypes=[mx.float32],
+    )
+    binary = emulator.build(emulator.generated_source(kernel, launch))
+    out = np.array(emulator.run(binary, launch)[0])
+    simd = values.reshape(4, 32)
+    np.testing.assert_array_equal(out[:, 0], np.repeat(simd.sum(1), 32))
+    np.testing.assert_array_equal(out[:, 1], np.repeat(simd.sum(1), 32))
+    down = np.concatenate([simd[:, 1:], simd[:, 31:]], 1)  # the last lane keeps its value
+    np.testing.assert_array_equal(out[:, 2], down.reshape(-1))
+    np.testing.assert_array_equal(out[:, 3], (np.cumsum(simd, 1) - simd).reshape(-1))
+    np.testing.assert_array_equal(out[:, 4], np.repeat(values.reshape(2, 64).sum(1), 64))
+
+
+@needs_gxx
+def test_emulator_reports_lanes_at_different_simd_operations():
+    source = """
+    float v = x[thread_position_in_grid.x];
+    if (thread_index_in_simdgroup < 16) {
+      v = simd_sum(v);
+    } else {
+      v = simd_sum(v);
+    }
+    out[thread_position_in_grid.x] = v;
+    """
+    kernel = mx.fast.metal_kernel(
+        name="emu_divergent", input_names=["x"], output_names=["out"], source=source
+    )
+    launch = dict(
+        inputs=[mx.zeros((32,))],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(32,)],
+        output_dtypes=[mx.float32],
+    )
+    binary = emulator.build(emulator.generated_source(kernel, launch))
+    with pytest.raises(EmulationError, match="different simd operations"):
+        emulator.run(binary, launch)
+
+
+# --------------------------------------------------------------------------------------------
+# The Mac-only entry points, run here with the kernels replaced by the fallback (plumbing only:
+# on a Mac the same code runs the real kernels).
+
+
+@pytest.fixture
+def pretend_metal(monkeypatch):
+    def dequantize(weight, scales, zeros, *, bits, group_size, dtype):
+        return format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "metal_matmul", kernels.fallback_matmul)
+    monkeypatch.setattr(kernels, "metal_dequantize", dequantize)
+
+
+def test_check_on_device_reports_every_path(pretend_metal):
+    report = kernels.check_on_device(timing=False)
+    assert report["ok"]
+    paths = {(c["path"], c["bits"], c["group_size"], c["dtype"]) for c in report["cases"]}
+    assert ("qmv M=1", 3, 128, "bfloat16") in paths
+    assert ("qmm M=16", 8, 32, "float16") in paths
+    assert ("dequantize+matmul M=33", 2, 64, "float32") in paths
+
+
+def test_benchmark_matmul_reports_times_and_bandwidth(pretend_metal):
+    r = kernels.benchmark_matmul(64, 256, bits=4, group_size=64, rows=8, iters=2, working_set_mb=0)
+    assert r["path"] == "qmm" and r["zp_us"] > 0 and r["affine_us"] > 0
+    assert r["zp_gbps"] > 0 and r["speedup"] == pytest.approx(r["affine_us"] / r["zp_us"])

@@ -1,0 +1,181 @@
+"""The zero-point format: packing, dequantization and the lossless MLX affine form, against
+independent numpy float64 references and MLX's own affine quantization."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxspec.errors import QuantizationError
+from mlxspec.quant import format
+
+PACKABLE_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def bitstream_reference(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack by spelling out the bit stream: bit b of value i is stream bit i*bits + b."""
+    rows, cols = q.shape
+    words = -(-cols * bits // 32)
+    stream = np.zeros((rows, words * 32), np.uint8)
+    for b in range(bits):
+        stream[:, np.arange(cols) * bits + b] = (q >> b) & 1
+    return np.packbits(stream, axis=1, bitorder="little").view("<u4")
+
+
+def random_layer(rng, n, k, bits, group_size):
+    q = rng.integers(0, 2**bits, (n, k))
+    z = rng.integers(0, 2**bits, (n, k // group_size))
+    s = (rng.random((n, k // group_size)) * 0.05 + 1e-3).astype(np.float16)
+    return q, z, s
+
+
+def dense_reference(q, z, s, group_size) -> np.ndarray:
+    """w = s * (q - z) in float64."""
+    return np.repeat(s.astype(np.float64), group_size, 1) * (q - np.repeat(z, group_size, 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from(PACKABLE_BITS),
+    rows=st.integers(1, 3),
+    cols=st.integers(1, 130),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_pack_is_the_little_endian_bit_stream_and_unpack_inverts_it(bits, rows, cols, seed):
+    q = np.random.default_rng(seed).integers(0, 2**bits, (rows, cols))
+    packed = format.pack(q, bits)
+    assert packed.dtype == np.uint32 and packed.shape == (rows, format.packed_cols(cols, bits))
+    np.testing.assert_array_equal(packed, bitstream_reference(q, bits))
+    unpacked = format.unpack(packed, bits, cols)
+    assert unpacked.dtype == np.uint8
+    np.testing.assert_array_equal(unpacked, q)
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from(PACKABLE_BITS), cols=st.integers(1, 100), seed=st.integers(0, 999))
+def test_pack_and_unpack_give_the_same_words_for_mx_and_numpy(bits, cols, seed):
+    q = np.random.default_rng(seed).integers(0, 2**bits, (2, cols))
+    packed = format.pack(mx.array(q), bits)
+    assert isinstance(packed, mx.array) and packed.dtype == mx.uint32
+    np.testing.assert_array_equal(np.array(packed), format.pack(q, bits))
+    np.testing.assert_array_equal(np.array(format.unpack(packed, bits, cols)), q)
+
+
+@pytest.mark.parametrize("bits", PACKABLE_BITS)
+def test_packing_is_mlx_affine_packing(bits):
+    """Values recovered from mx.quantize's output re-pack to the very same words."""
+    w = mx.array(np.random.default_rng(bits).standard_normal((4, 256)).astype(np.float32))
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+    dense = np.array(mx.dequantize(packed, scales, biases, group_size=32, bits=bits))
+    q = np.rint((dense - np.repeat(np.array(biases), 32, 1)) / np.repeat(np.array(scales), 32, 1))
+    np.testing.assert_array_equal(format.unpack(np.array(packed), bits, 256), q)
+    np.testing.assert_array_equal(format.pack(q.astype(np.int64), bits), np.array(packed))
+
+
+def test_worked_example_in_the_module_docstring():
+    assert format.pack([[3, 0, 15, 7, 8, 1, 2, 9]], 4)[0, 0] == 0x92187F03
+    assert format.pack([[6, 5]], 4)[0, 0] == 0x56
+    assert "0x92187F03" in format.__doc__ and "0x56" in format.__doc__
+
+
+def test_pack_rejects_values_that_do_not_fit():
+    with pytest.raises(ValueError, match="out of range"):
+        format.pack([[16]], 4)
+    with pytest.raises(ValueError, match="cannot pack"):
+        format.pack([[1]], 7)
+
+
+@pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size", format.SUPPORTED_GROUP_SIZES)
+def test_dequantize_equals_float64_reference_rounded_once(bits, group_size):
+    rng = np.random.default_rng(bits * group_size)
+    q, z, s = random_layer(rng, 5, 3 * group_size, bits, group_size)
+    weight, zeros = format.pack(q, bits), format.pack(z, bits)
+    assert zeros.shape == (5, format.packed_cols(3, bits))
+    ref = dense_reference(q, z, s, group_size)
+    out = format.dequantize(weight, s, zeros, bits, group_size)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, ref.astype(np.float16))
+    for dtype in (mx.float32, mx.float16):
+        got = format.dequantize(
+            mx.array(weight), mx.array(s), mx.array(zeros), bits, group_size, dtype=dtype
+        )
+        np.testing.assert_array_equal(
+            np.array(got), ref.astype(np.dtype(str(dtype).split(".")[-1]))
+        )
+
+
+def test_dequantize_with_bfloat16_scales_rounds_once_to_bfloat16():
+    rng = np.random.default_rng(1)
+    q, z, s = random_layer(rng, 4, 128, 4, 64)
+    s_bf16 = mx.array(s.astype(np.float32)).astype(mx.bfloat16)
+    s64 = np.array(s_bf16.astype(mx.float32)).astype(np.float64)
+    ref = dense_reference(q, z, s64, 64)
+    got = format.dequantize(mx.array(format.pack(q, 4)), s_bf16, mx.array(format.pack(z, 4)), 4, 64)
+    assert got.dtype == mx.bfloat16
+    want = mx.array(ref.astype(np.float32)).astype(mx.bfloat16)  # float32 holds ref exactly
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size", (32, 128))
+def test_to_mlx_affine_is_exact_and_quantized_matmul_matches_float64(bits, group_size):
+    rng = np.random.default_rng(bits + group_size)
+    n, k = 24, 4 * group_size
+    q, z, s = random_layer(rng, n, k, bits, group_size)
+    ref = dense_reference(q, z, s, group_size)
+    weight, scales, biases = format.to_mlx_affine(
+        mx.array(format.pack(q, bits)),
+        mx.array(s),
+        mx.array(format.pack(z, bits)),
+        bits,
+        group_size,
+    )
+    assert biases.dtype == mx.float32
+    # The affine form reproduces every weight exactly.
+    affine = mx.dequantize(
+        weight, scales.astype(mx.float32), biases, group_size=group_size, bits=bits
+    )
+    np.testing.assert_array_equal(np.array(affine), ref.astype(np.float32))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = mx.quantized_matmul(
+        mx.array(x), weight, scales, biases, transpose=True, group_size=group_size, bits=bits
+    )
+    want = x.astype(np.float64) @ ref.T
+    bound = 1e-6 * (np.abs(x) @ np.abs(ref).T) + 1e-30
+    assert np.all(np.abs(np.array(y) - want) <= bound)
+
+
+def test_float16_biases_round_within_the_documented_bound():
+    rng = np.random.default_rng(7)
+    q, z, s = random_layer(rng, 8, 256, 8, 64)
+    _, _, b16 = format.to_mlx_affine(
+        format.pack(q, 8), s, format.pack(z, 8), 8, 64, bias_dtype=np.float16
+    )
+    exact = -s.astype(np.float64) * z
+    assert np.all(np.abs(b16.astype(np.float64) - exact) <= np.abs(exact) * 2.0**-11)
+
+
+def test_check_spec_raises_one_line_errors():
+    format.check_spec(4, 64, 576)
+    for args, words in [
+        ((5, 64, 576), "bits=5"),
+        ((4, 48, 576), "group size 48"),
+        ((4, 128, 576), "use group size 32 or 64"),
+    ]:
+        with pytest.raises(QuantizationError, match=words) as info:
+            format.check_spec(*args)
+        assert "\n" not in str(info.value)
+
+
+def test_dequantize_rejects_mismatched_arrays():
+    weight = np.zeros((2, 8), np.uint32)  # 64 inputs at 4 bits
+    with pytest.raises(QuantizationError, match="do not match"):
+        format.dequantize(weight, np.ones((2, 3), np.float16), np.zeros((2, 1), np.uint32), 4, 32)
+
+
+def test_bits_per_weight_is_below_mlx_affine():
+    assert format.bits_per_weight(4, 64) == 4 + 20 / 64
+    assert format.bits_per_weight(4, 64) < 4 + 32 / 64  # MLX affine: float16 scale + bias
+    assert format.bits_per_weight(8, 128, scale_bits=16) == 8 + 24 / 128
