@@ -1,0 +1,648 @@
+"""Convert a GGUF file (llama.cpp's format) into an MLX model directory that mlx-lm loads.
+
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", out_dir)   # -> out_dir
+    out_dir/config.json              model_type "llama" or "gemma3_text", Hugging Face key names
+    out_dir/model.safetensors        every tensor dequantized (float32 by default), HF tensor names
+    out_dir/tokenizer.json           rebuilt with `tokenizers` from the GGUF vocabulary
+    out_dir/tokenizer_config.json    bos/eos/unk/pad, add_bos_token, chat_template
+
+What differs between a GGUF file and the Hugging Face checkpoint it came from, and is undone here:
+
+- Tensor names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+- llama: llama.cpp's converter permutes the rows of q_proj/k_proj so that each head's rotary pairs
+  are adjacent, (x0, y0, x1, y1, ...), for ggml's interleaved RoPE. mlx-lm's llama applies
+  half-split RoPE, (x0, x1, ..., y0, y1, ...), so the permutation is inverted.
+- gemma3: llama.cpp stores every RMSNorm weight as ``1 + w`` (ggml multiplies by the weight);
+  mlx-lm's Gemma computes ``1 + w`` itself, so 1 is subtracted.
+- Hyper-parameters that llama.cpp hard-codes for gemma3 (sliding-window pattern, local RoPE base,
+  query scale) are written into config.json explicitly.
+
+The tokenizer is rebuilt from metadata: ``tokenizer.ggml.model = gpt2`` is byte-level BPE with the
+file's merges and the pre-tokenizer regexes llama.cpp uses for ``tokenizer.ggml.pre``;
+``= llama`` is SentencePiece-style BPE with byte fallback, its merges derived from the token scores
+(what llama.cpp's SPM tokenizer merges by). Control tokens become special added tokens and
+user-defined tokens plain added tokens, matched whole in the raw text as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from mlxspec.errors import CorruptModelError, UnsupportedModelError
+
+# Part of the cache key: bump when the converted output changes, so stale conversions are redone.
+CONVERTER_VERSION = 1
+
+
+# -- reading a GGUF file --------------------------------------------------------------------------
+# gguf.GGUFReader builds a numpy memmap per array element, which takes ~20 s on Gemma-3's 262k-token
+# vocabulary; the header is a simple little-endian format, so it is parsed here directly.
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: ``shape`` in numpy order (rows first), ``raw`` its bytes as
+    (rows, bytes per row) uint8, still quantized."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    raw: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        """The tensor as float32 numpy, shape ``self.shape``."""
+        try:
+            values = dequantize(self.raw, self.qtype)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"GGUF tensor {self.name} has type {self.qtype.name}, which cannot be dequantized"
+            ) from None
+        return values.astype(np.float32, copy=False).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: its metadata (key -> value, arrays as lists) and its tensors by name."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, advancing a position."""
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("<Q")
+        if self.pos + size > len(self.buf):
+            raise struct.error("string runs past the end of the file")
+        text = self.buf[self.pos : self.pos + size].decode("utf-8")
+        self.pos += size
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            if item_type in _SCALARS:  # numbers in one read
+                dtype = np.dtype(_SCALARS[item_type])
+                values = np.frombuffer(self.buf, dtype, count, self.pos)
+                self.pos += count * dtype.itemsize
+                return values.tolist()
+            return [self.value(item_type) for _ in range(count)]
+        return self.scalar(_SCALARS[GGUFValueType(vtype)])
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF (v2/v3) file's metadata and tensor index; tensor bytes stay memory-mapped.
+
+    Raises CorruptModelError when the file is not a GGUF file or is truncated.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:  # ValueError: empty file
+        raise CorruptModelError(f"cannot read GGUF file {path}: {e}") from None
+    if buf[:4] != b"GGUF":
+        raise CorruptModelError(f"{path} is not a GGUF file (bad magic bytes)")
+    cursor = _Cursor(buf)
+    cursor.pos = 4
+    try:
+        version = cursor.scalar("<I")
+        if version not in (2, 3):
+            raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.scalar("<I"))
+        index = []
+        for _ in range(n_tensors):
+            name = cursor.string()
+            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            index.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
+    except (struct.error, UnicodeDecodeError, ValueError, KeyError) as e:
+        raise CorruptModelError(f"{path} is truncated or corrupt (header: {e})") from None
+
+    alignment = metadata.get("general.alignment", 32)
+    data_start = -(-cursor.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, type_id, offset in index:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+            block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise UnsupportedModelError(
+                f"GGUF tensor {name} has unknown type id {type_id}"
+            ) from None
+        shape = tuple(reversed(dims))  # ggml lists the fastest-varying dimension first
+        row_bytes = dims[0] // block_size * block_bytes
+        rows = int(np.prod(dims[1:], dtype=np.int64))
+        start = data_start + offset
+        if start + rows * row_bytes > len(buf):
+            raise CorruptModelError(f"{path} is truncated: tensor {name} runs past the end")
+        raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start).reshape(rows, row_bytes)
+        tensors[name] = GGUFTensor(name, shape, qtype, raw)
+    return GGUFFile(metadata, tensors)
+
+
+# -- architectures --------------------------------------------------------------------------------
+
+# GGUF layer tensor -> Hugging Face module path inside ``model.layers.<i>``.
+_LLAMA_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GEMMA3_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name} has no mlx-lm counterpart")
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation: per head, rows (x0, y0, x1, y1, ...) -> (x..., y...).
+
+    w: (n_heads * head_dim, ...) -- a q_proj/k_proj weight (or bias) as stored in the GGUF file.
+    """
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _int(meta: dict, key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise CorruptModelError(f"GGUF metadata has no {key}")
+    if not isinstance(value, int):  # a per-layer list: layers of different shapes
+        raise UnsupportedModelError(f"GGUF {key} varies per layer, which mlx-lm does not support")
+    return value
+
+
+def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
+    heads = _int(meta, f"{arch}.attention.head_count")
+    hidden = _int(meta, f"{arch}.embedding_length")
+    head_dim = _int(meta, f"{arch}.attention.key_length", hidden // heads)
+    if _int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError("GGUF key and value head sizes differ; mlx-lm needs them equal")
+    if _int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModelError("GGUF model applies RoPE to part of each head; not supported")
+    if "rope_freqs.weight" in gguf.tensors:
+        raise UnsupportedModelError("GGUF model has per-frequency RoPE factors (Llama 3.1 style)")
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(meta, f"{arch}.block_count"),
+        "intermediate_size": _int(meta, f"{arch}.feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(meta, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch),
+        "max_position_embeddings": _int(meta, f"{arch}.context_length"),
+        "vocab_size": gguf.tensors["token_embd.weight"].shape[0],
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+    }
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor", 1.0)
+    if kind == "none" or factor == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    raise UnsupportedModelError(f"GGUF RoPE scaling {kind!r} is not supported (only linear)")
+
+
+def _llama_config(meta: dict, gguf: GGUFFile) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_common_config(meta, "llama", gguf),
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "mlp_bias": False,
+    }
+
+
+def _gemma3_config(meta: dict, gguf: GGUFFile) -> dict:
+    config = _common_config(meta, "gemma3", gguf)
+    # llama.cpp hard-codes these for gemma3 (llama-model.cpp); they are not in the file.
+    big = config["num_hidden_layers"] == 62  # Gemma-3-27B scales queries by hidden/heads
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **config,
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+        if big
+        else config["head_dim"],
+        "sliding_window": _int(meta, "gemma3.attention.sliding_window"),
+        "sliding_window_pattern": 6,  # every 6th layer attends globally
+        "rope_local_base_freq": 10000.0,  # RoPE base of the sliding-window layers
+    }
+
+
+def _llama_weight(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    if ".attn_q." in name:
+        return unpermute_rope_rows(w, config["num_attention_heads"])
+    if ".attn_k." in name:
+        return unpermute_rope_rows(w, config["num_key_value_heads"])
+    return w
+
+
+def _gemma3_weight(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    return w - 1.0 if name.endswith("norm.weight") else w  # stored as 1 + w (see module docstring)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one GGUF ``general.architecture`` maps onto an mlx-lm model class."""
+
+    config: Callable[[dict, GGUFFile], dict]
+    layer_names: dict[str, str]
+    fix_weight: Callable[[str, np.ndarray, dict], np.ndarray]  # (gguf name, weight, config)
+
+
+ARCHITECTURES = {
+    "llama": Architecture(_llama_config, _LLAMA_LAYER_NAMES, _llama_weight),
+    "gemma3": Architecture(_gemma3_config, _GEMMA3_LAYER_NAMES, _gemma3_weight),
+}
+
+
+def save_weights(
+    path: Path, gguf: GGUFFile, arch: Architecture, config: dict, dtype: str, progress: bool
+) -> None:
+    """Dequantize, fix and write every tensor into one safetensors file under its HF name.
+
+    Tensors are streamed one at a time (peak memory: one tensor), matrices cast to ``dtype`` and
+    vectors (norms, biases) kept float32.
+    """
+    from rich.progress import Progress
+
+    plan, offset = {}, 0  # HF name -> (GGUF tensor, safetensors dtype, byte range)
+    for name, tensor in gguf.tensors.items():
+        kind = _SAFETENSORS_DTYPES[dtype if len(tensor.shape) > 1 else "float32"]
+        size = int(np.prod(tensor.shape)) * (4 if kind == "F32" else 2)
+        plan[_hf_name(name, arch.layer_names)] = (tensor, kind, (offset, offset + size))
+        offset += size
+    header = {
+        hf: {"dtype": kind, "shape": list(t.shape), "data_offsets": list(span)}
+        for hf, (t, kind, span) in plan.items()
+    }
+    header_bytes = json.dumps({"__metadata__": {"format": "mlx"}, **header}).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f, Progress(transient=True, disable=not progress) as bar:
+        f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+        task = bar.add_task("Dequantizing GGUF tensors", total=len(plan))
+        for tensor, kind, _ in plan.values():
+            w = arch.fix_weight(tensor.name, tensor.dequantize(), config)
+            f.write(memoryview(np.ascontiguousarray(_cast(w, kind))).cast("B"))
+            bar.advance(task)
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _cast(w: np.ndarray, kind: str) -> np.ndarray:
+    """float32 -> the bytes of safetensors dtype ``kind`` (bfloat16 as uint16, rounded to even)."""
+    if kind == "F32":
+        return w.astype(np.float32, copy=False)
+    if kind == "F16":
+        return w.astype(np.float16)
+    bits = w.astype(np.float32, copy=False).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+# -- tokenizer ------------------------------------------------------------------------------------
+
+# llama.cpp token types (llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# End-of-generation tokens llama.cpp recognises by name, besides the declared eos/eot/eom ids.
+_END_OF_GENERATION = {
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<EOT>",
+}
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the regexes llama.cpp splits text with, in order (llama-vocab.cpp).
+PRE_TOKENIZER_SPLITS = {
+    "default": [_GPT2_SPLIT],
+    "gpt-2": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],
+    "starcoder": [r"\p{N}", _GPT2_SPLIT],
+    "refact": [r"\p{N}", _GPT2_SPLIT],
+    "llama3": [_LLAMA3_SPLIT],
+    "llama-v3": [_LLAMA3_SPLIT],
+    "llama-bpe": [_LLAMA3_SPLIT],
+    "smaug-bpe": [_LLAMA3_SPLIT],
+}
+# Pre-tokenizers whose words that are whole tokens skip the merges (llama.cpp's ignore_merges).
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
+
+
+def _token_list(meta: dict) -> list[str]:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise CorruptModelError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if len(set(tokens)) != len(tokens):
+        raise UnsupportedModelError("GGUF vocabulary has duplicate token strings")
+    return tokens
+
+
+def _token_types(meta: dict) -> list[int]:
+    return meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(meta["tokenizer.ggml.tokens"])
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str]):
+    """GPT-2 style byte-level BPE (``tokenizer.ggml.model = gpt2``)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer {pre!r} is not supported (known: {', '.join(PRE_TOKENIZER_SPLITS)})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    splits = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]
+    ]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple]:
+    """BPE merges equivalent to SentencePiece's rule "merge the adjacent pair whose joined piece
+    scores highest": every split (a, b) of a normal token, ranked by the joined token's score."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    merges = []
+    for i in sorted(ids.values(), key=lambda i: (-scores[i], i)):
+        token = tokens[i]
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
+        splits = [(ids[a], ids[b], a, b) for a, b in splits if a in ids and b in ids]
+        merges.extend((a, b) for _, _, a, b in sorted(splits))
+    return merges
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str]):
+    """SentencePiece BPE with byte fallback (``tokenizer.ggml.model = llama``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise CorruptModelError("GGUF SentencePiece vocabulary has neither merges nor scores")
+        merges = sentencepiece_merges(tokens, scores, _token_types(meta))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = None if unk_id is None else tokens[unk_id]
+    tokenizer = Tokenizer(
+        models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)  # the shape mlx-lm's SPM detokenizer detects
+    return tokenizer
+
+
+def _adds(meta: dict, key: str) -> bool:
+    """Whether encoding adds the ``key`` ("bos"/"eos") token; llama.cpp's default adds BOS for
+    SentencePiece vocabularies only."""
+    default = key == "bos" and meta.get("tokenizer.ggml.model") == "llama"
+    has_token = f"tokenizer.ggml.{key}_token_id" in meta
+    return has_token and bool(meta.get(f"tokenizer.ggml.add_{key}_token", default))
+
+
+def build_tokenizer(meta: dict):
+    """A ``tokenizers.Tokenizer`` equivalent to the GGUF file's llama.cpp tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    if "tokenizer.huggingface.json" in meta:  # the original tokenizer.json, embedded verbatim
+        return Tokenizer.from_str(meta["tokenizer.huggingface.json"])
+    tokens = _token_list(meta)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta, tokens)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta, tokens)
+    else:
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
+
+    # Matched whole in the raw text, before any splitting, as llama.cpp does.
+    added = [
+        AddedToken(t, special=token_type != USER_DEFINED, normalized=False)
+        for t, token_type in zip(tokens, _token_types(meta), strict=True)
+        if token_type in (CONTROL, UNKNOWN, USER_DEFINED)
+    ]
+    tokenizer.add_special_tokens([t for t in added if t.special])
+    tokenizer.add_tokens([t for t in added if not t.special])
+
+    ends = {
+        key: meta[f"tokenizer.ggml.{key}_token_id"] for key in ("bos", "eos") if _adds(meta, key)
+    }
+    if ends:  # the BOS/EOS that llama.cpp puts around every encoded text
+        bos = [tokens[ends["bos"]]] if "bos" in ends else []
+        eos = [tokens[ends["eos"]]] if "eos" in ends else []
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=[*bos, "$A", *eos],
+            pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
+            special_tokens=sorted({(tokens[i], i) for i in ends.values()}),
+        )
+    return tokenizer
+
+
+def eos_token_ids(meta: dict) -> list[int]:
+    """Every id that ends generation: the declared eos/eot/eom tokens, then the control tokens
+    llama.cpp treats as end-of-generation by name (``<|im_end|>``, ``<end_of_turn>``, ...)."""
+    tokens = _token_list(meta)
+    types = _token_types(meta)
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids += [i for i, t in enumerate(tokens) if t in _END_OF_GENERATION and types[i] == CONTROL]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def tokenizer_config(meta: dict) -> dict:
+    """tokenizer_config.json: special token strings, BOS/EOS flags and the chat template."""
+    tokens = _token_list(meta)
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{name}_token"] = tokens[token_id]
+    config["add_bos_token"] = _adds(meta, "bos")
+    config["add_eos_token"] = _adds(meta, "eos")
+    config["clean_up_tokenization_spaces"] = False
+    config["model_max_length"] = meta.get(f"{meta['general.architecture']}.context_length")
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+# -- conversion -----------------------------------------------------------------------------------
+
+
+def gguf_cache_key(gguf_path: str | Path) -> str:
+    """A short directory name for ``gguf_path``'s conversion: the file's stem and a hash of its
+    resolved path, size, modification time and the converter version (no content read)."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    fingerprint = f"{CONVERTER_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{path.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+
+
+def convert_gguf(
+    gguf_path: str | Path, out_dir: Path, dtype: str = "float32", progress: bool = True
+) -> Path:
+    """Convert a GGUF file into an MLX model directory that ``mlx_lm.utils.load`` opens.
+
+    Args:
+        gguf_path: a llama.cpp GGUF file (architecture llama or gemma3).
+        out_dir: the directory to create; an existing one is replaced. The output is written into
+            a temporary sibling directory and renamed into place, so an interrupted conversion
+            leaves nothing at ``out_dir``.
+        dtype: dtype of the dequantized matrices ("float32", "float16" or "bfloat16"); norms stay
+            float32.
+        progress: show a progress bar while dequantizing.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CorruptModelError: the file is unreadable, truncated or lacks required metadata.
+        UnsupportedModelError: the architecture, a tensor type or the tokenizer is not supported.
+    """
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise UnsupportedModelError(
+            f"dtype {dtype!r} is not supported (float32, float16, bfloat16)"
+        )
+    out_dir = Path(out_dir)
+    gguf = read_gguf(gguf_path)
+    meta = gguf.metadata
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch_name!r} is not supported ({', '.join(ARCHITECTURES)})"
+        )
+    arch = ARCHITECTURES[arch_name]
+    try:
+        config = arch.config(meta, gguf)
+    except KeyError as e:
+        raise CorruptModelError(f"{gguf_path} lacks {e.args[0]}, which {arch_name} needs") from None
+    eos_ids = eos_token_ids(meta)
+    config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if "tokenizer.ggml.bos_token_id" in meta:
+        config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
+    tokenizer = build_tokenizer(meta)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent)
+    )
+    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        save_weights(staging / "model.safetensors", gguf, arch, config, dtype, progress)
+        _write_json(staging / "config.json", {**config, "torch_dtype": dtype})
+        tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
+        if out_dir.exists():  # replace: move the old one aside first, delete it after
+            old = Path(
+                tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent)
+            )
+            os.replace(out_dir, old / "dir")
+            os.replace(staging, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
