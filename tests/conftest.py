@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import mlxspec  # noqa: F401  (first: it must load the optimized BLAS before mlx.core)
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MLXSPEC_HOME", str(ROOT / ".cache" / "mlxspec-test"))
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-import mlxspec.load as load_module
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -17,6 +18,8 @@ from mlxspec.errors import (
 )
 from mlxspec.load import load, model_bytes, resolve_model_path
 from tests.tiny import make_tiny_model_dir
+
+load_module = importlib.import_module("mlxspec.load")  # the module, not the function
 
 
 @pytest.fixture
