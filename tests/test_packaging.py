@@ -13,8 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                    "-q", "-w", str(tmp_path / "dist"), str(ROOT)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("mlxspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -28,18 +40,32 @@ def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True)
-    where = subprocess.run([str(py), "-c", "import mlxspec; print(mlxspec.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True
+    )
+    where = subprocess.run(
+        [str(py), "-c", "import mlxspec; print(mlxspec.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout
     assert where.startswith(str(env_dir)), where
     for args in (["--version"], ["--help"]):
-        result = subprocess.run([str(env_dir / "bin" / "mlxspec"), *args], capture_output=True,
-                                text=True, cwd=tmp_path)
+        result = subprocess.run(
+            [str(env_dir / "bin" / "mlxspec"), *args], capture_output=True, text=True, cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr
-    assert "mlxspec, version" in subprocess.run(
-        [str(env_dir / "bin" / "mlxspec"), "--version"], capture_output=True, text=True
-    ).stdout
+    assert (
+        "mlxspec, version"
+        in subprocess.run(
+            [str(env_dir / "bin" / "mlxspec"), "--version"], capture_output=True, text=True
+        ).stdout
+    )
