@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +37,7 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 def _run_mlxspec(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
     from mlxspec.generate import stream_generate
 
-    last = None
-    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
-        pass
+    last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens), maxlen=1)[0]
     return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
             "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
 
@@ -46,9 +45,7 @@ def _run_mlxspec(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> di
 def _run_mlx_lm(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
     from mlx_lm import stream_generate
 
-    last = None
-    for last in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
-        pass
+    last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens), maxlen=1)[0]
     return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
             "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
 
@@ -91,7 +88,7 @@ def compare_decode(
     bandwidth = memory_bandwidth()
     engines = {"mlx_lm": _run_mlx_lm, "mlxspec": _run_mlxspec}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    for name, run in engines.items():  # warm-up
+    for run in engines.values():  # warm-up
         run(model, tokenizer, prompt_ids, 8)
     for i in range(repeats):
         for name, run in engines.items():

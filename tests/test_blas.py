@@ -1,0 +1,362 @@
+"""MLX on the optimized BLAS (mlxspec.blas): same numbers as float64 numpy, and really in use.
+
+Each BLAS choice needs a fresh process (the choice is made before ``mlx.core`` is imported), so the
+MLX side runs in a subprocess with ``MLXSPEC_BLAS`` set and the float64 references are computed
+here. ``run_with_blas`` is the helper for any such comparison (the last test compares greedy
+tokens of the real default model under ``MLXSPEC_BLAS=reference`` and the default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="mlxspec.blas only acts on Linux (macOS MLX uses Accelerate)"
+)
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _mlx_cpu_libs() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx")
+    return Path(next(iter(spec.submodule_search_locations))).parent / "mlx_cpu.libs"
+
+
+def run_with_blas(code: str, blas: str | None, home: Path, **env: str) -> dict:
+    """Run ``code`` in a fresh Python with ``MLXSPEC_BLAS=blas`` (None: unset); return its result.
+
+    ``code`` must print one JSON object as its last line of stdout. ``home`` is ``MLXSPEC_HOME``
+    (where the shim is compiled). ``env`` adds environment variables.
+    """
+    environment = {**os.environ, "MLXSPEC_HOME": str(home), **env}
+    environment.pop("MLXSPEC_BLAS", None)
+    if blas is not None:
+        environment["MLXSPEC_BLAS"] = blas
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """One MLXSPEC_HOME for the module, so the shim is compiled once."""
+    return tmp_path_factory.mktemp("mlxspec_home")
+
+
+# -- matmul and LAPACK numerics against float64 numpy ---------------------------------------------
+
+
+def _inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    n = 40
+    spd = normal(n, n)
+    well_conditioned = np.eye(n, dtype=np.float32) * 8 + normal(n, n)
+    basis = np.eye(n, dtype=np.float32) + 0.1 * normal(n, n)
+    known_eigenvalues = (
+        basis @ np.diag(np.arange(1, n + 1, dtype=np.float32)) @ np.linalg.inv(basis)
+    )
+    return {
+        "x1": normal(1, 576),
+        "x7": normal(7, 576),
+        "w": normal(1536, 576),
+        "a": normal(33, 65),
+        "b": normal(65, 17),
+        "at": normal(65, 33),
+        "c": normal(33, 17),
+        "ba": normal(3, 5, 31),
+        "bb": normal(3, 31, 9),
+        "ba4": normal(2, 3, 5, 31),
+        "b2": normal(31, 9),
+        "big_a": normal(256, 300),
+        "big_b": normal(300, 260),
+        "d_a": rng.standard_normal((20, 30)),
+        "d_b": rng.standard_normal((30, 10)),
+        "spd": (spd @ spd.T + n * np.eye(n)).astype(np.float32),
+        "g": well_conditioned.astype(np.float32),
+        "lower": np.tril(well_conditioned).astype(np.float32),
+        "eig": known_eigenvalues.astype(np.float32),
+        "cplx_a": (normal(9, 12) + 1j * normal(9, 12)).astype(np.complex64),
+        "cplx_b": (normal(12, 5) + 1j * normal(12, 5)).astype(np.complex64),
+    }
+
+
+# MLX side, run in the child. Every product goes through cblas_?gemm, every linalg call LAPACK.
+MLX_CASES = r"""
+import json, sys, warnings
+import numpy as np
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import mlxspec  # chooses the BLAS before mlx.core is imported
+    from mlxspec import blas
+    blas.setup()  # a second call must neither act nor warn again
+import mlx.core as mx
+
+x = {k: mx.array(v) for k, v in np.load(sys.argv[1]).items()}
+x["d_a"], x["d_b"] = (mx.array(np.load(sys.argv[1])[k], dtype=mx.float64) for k in ("d_a", "d_b"))
+cpu = mx.cpu
+q, r = mx.linalg.qr(x["g"], stream=cpu)
+cases = {
+    "matvec_transposed": x["x1"] @ x["w"].T,
+    "odd_m_transposed": x["x7"] @ x["w"].T,
+    "odd_sizes": x["a"] @ x["b"],
+    "transposed_a": x["at"].T @ x["b"],
+    "transposed_both": x["b"].T @ x["a"].T,
+    "batched": x["ba"] @ x["bb"],
+    "broadcast_batched": x["ba4"] @ x["b2"],
+    "addmm": mx.addmm(x["c"], x["a"], x["b"], alpha=0.5, beta=2.0),
+    "large": x["big_a"] @ x["big_b"],
+    "float64": x["d_a"] @ x["d_b"],
+    "complex64": x["cplx_a"] @ x["cplx_b"],
+    "inv": mx.linalg.inv(x["g"], stream=cpu),
+    "tri_inv": mx.linalg.tri_inv(x["lower"], upper=False, stream=cpu),
+    "cholesky": mx.linalg.cholesky(x["spd"], stream=cpu),
+    "eigvalsh": mx.linalg.eigvalsh(x["spd"], stream=cpu),
+    "svdvals": mx.linalg.svd(x["g"], compute_uv=False, stream=cpu),
+    "eigvals": mx.linalg.eigvals(x["eig"], stream=cpu),
+    "q": q,
+    "r": r,
+}
+mx.eval(cases)
+np.savez(sys.argv[2], **{k: np.array(v) for k, v in cases.items()})
+report = blas.blas_report(measure=False)
+report["warnings"] = [str(w.message) for w in caught if "mlxspec" in str(w.message)]
+print(json.dumps(report))
+"""
+
+
+def _bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rigorous float32 error bound of a @ b: K * eps * (|a| @ |b|) (twice the classical one)."""
+    k = a.shape[-1]
+    return k * EPS32 * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)) + 1e-30
+
+
+def _check_against_float64(inputs: dict, out: dict) -> None:
+    f64 = {
+        k: v.astype(np.complex128 if np.iscomplexobj(v) else np.float64) for k, v in inputs.items()
+    }
+    products = {
+        "matvec_transposed": (inputs["x1"], inputs["w"].T),
+        "odd_m_transposed": (inputs["x7"], inputs["w"].T),
+        "odd_sizes": (inputs["a"], inputs["b"]),
+        "transposed_a": (inputs["at"].T, inputs["b"]),
+        "transposed_both": (inputs["b"].T, inputs["a"].T),
+        "batched": (inputs["ba"], inputs["bb"]),
+        "broadcast_batched": (inputs["ba4"], inputs["b2"]),
+        "large": (inputs["big_a"], inputs["big_b"]),
+        "complex64": (inputs["cplx_a"], inputs["cplx_b"]),
+    }
+    for name, (a, b) in products.items():
+        reference = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64) @ b
+        error = np.abs(out[name] - reference)
+        assert out[name].shape == reference.shape, name
+        assert np.all(error <= 2 * _bound(a, b)), f"{name}: max error {error.max():.3g}"
+
+    addmm = 2.0 * f64["c"] + 0.5 * (f64["a"] @ f64["b"])
+    bound = 0.5 * _bound(inputs["a"], inputs["b"]) + 4 * EPS32 * np.abs(addmm)
+    assert np.all(np.abs(out["addmm"] - addmm) <= bound)
+
+    float64 = f64["d_a"] @ f64["d_b"]
+    assert out["float64"].dtype == np.float64
+    np.testing.assert_allclose(out["float64"], float64, rtol=1e-12, atol=1e-12)
+
+    # LAPACK results: float32 inputs are exact in float64; the matrices are well conditioned.
+    np.testing.assert_allclose(out["inv"], np.linalg.inv(f64["g"]), atol=2e-5)
+    np.testing.assert_allclose(out["tri_inv"], np.linalg.inv(f64["lower"]), atol=2e-5)
+    np.testing.assert_allclose(
+        out["cholesky"], np.linalg.cholesky(f64["spd"]), rtol=1e-4, atol=1e-4
+    )
+    np.testing.assert_allclose(out["eigvalsh"], np.linalg.eigvalsh(f64["spd"]), rtol=1e-4)
+    np.testing.assert_allclose(out["svdvals"], np.linalg.svd(f64["g"], compute_uv=False), rtol=1e-4)
+    eigenvalues = np.sort_complex(out["eigvals"].astype(np.complex128))
+    np.testing.assert_allclose(eigenvalues, np.arange(1, 41), atol=2e-3)
+    np.testing.assert_allclose(out["q"] @ out["r"], f64["g"], atol=1e-4)
+    np.testing.assert_allclose(out["q"].T @ out["q"], np.eye(40), atol=1e-5)
+    assert np.allclose(np.tril(out["r"], -1), 0)
+
+
+def _run_cases(tmp_path: Path, home: Path, blas: str | None) -> tuple[dict, dict, dict]:
+    """Inputs, MLX outputs and the child's BLAS report (with its mlxspec warnings)."""
+    inputs = _inputs(np.random.default_rng(0))
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    code = MLX_CASES.replace("sys.argv[1]", repr(str(tmp_path / "inputs.npz")))
+    code = code.replace("sys.argv[2]", repr(str(tmp_path / "out.npz")))
+    report = run_with_blas(code, blas, home)
+    return inputs, dict(np.load(tmp_path / "out.npz")), report
+
+
+def test_reference_blas_matches_float64_and_stays_silent(tmp_path, home):
+    inputs, out, report = _run_cases(tmp_path, home, "reference")
+    assert report["active"] == "reference" and report["shim"] is None
+    assert report["forwarded_calls"] is None
+    assert "mlx_cpu.libs/libblas" in report["resolved"]
+    assert report["warnings"] == []
+    _check_against_float64(inputs, out)
+
+
+def test_openblas_is_the_default_and_matches_float64(tmp_path, home):
+    inputs, out, report = _run_cases(tmp_path, home, None)
+    assert report["warnings"] == [], report["warnings"]
+    assert report["active"] == "openblas"
+    assert "libscipy_openblas" in report["library"]
+    assert report["config"].startswith("OpenBLAS")
+    if not any(variable in os.environ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        assert report["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    # MLX binds cblas_sgemm to the shim, and every product and factorization went through it:
+    # 10 unbatched products + 3 + 6 batched matrices + 7 LAPACK routines (and their queries).
+    assert report["resolved"] == report["shim"]
+    assert report["forwarded_calls"] >= 10 + 3 + 6 + 7
+    _check_against_float64(inputs, out)
+
+
+def test_library_path_setting_forwards_to_that_library(tmp_path, home):
+    # MLX's own reference LAPACK (which pulls in its BLAS) exports the standard names, so it
+    # stands in for MKL's libmkl_rt.so or a system libopenblas.so.
+    (lapack,) = _mlx_cpu_libs().glob("liblapack-*.so*")
+    inputs, out, report = _run_cases(tmp_path, home, str(lapack))
+    assert report["warnings"] == []
+    assert report["active"] == "custom" and report["library"] == str(lapack)
+    assert report["resolved"] == report["shim"] and report["forwarded_calls"] >= 26
+    _check_against_float64(inputs, out)
+
+
+# -- fallbacks: one clear warning, MLX still works --------------------------------------------------
+
+FALLBACK = r"""
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    PRE_IMPORT
+    import mlxspec
+    from mlxspec import blas
+    blas.setup()
+import mlx.core as mx
+report = blas.blas_report(measure=False)
+report["warnings"] = [str(w.message) for w in caught if "mlxspec" in str(w.message)]
+a = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+report["product"] = (a @ a.T).tolist()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize(
+    "blas, env, pre_import, expected",
+    [
+        ("/nonexistent/libopenblas.so", {}, "", "/nonexistent/libopenblas.so is not a file"),
+        (None, {"CC": "false"}, "", "compiling the BLAS shim failed"),
+        (None, {"MLXSPEC_HOME": "/proc/no-such-dir"}, "", "set MLXSPEC_HOME to a writable"),
+        (None, {}, "import mlx.core", "mlx.core was imported before mlxspec"),
+    ],
+    ids=["missing-library", "no-compiler", "unwritable-home", "mlx-imported-first"],
+)
+def test_falls_back_to_reference_with_one_warning(tmp_path, blas, env, pre_import, expected):
+    # A fresh MLXSPEC_HOME, so the no-compiler case really has to compile.
+    report = run_with_blas(FALLBACK.replace("PRE_IMPORT", pre_import), blas, tmp_path, **env)
+    assert len(report["warnings"]) == 1, report["warnings"]
+    assert expected in report["warnings"][0]
+    assert report["active"] == "reference" and report["notice"]
+    assert "mlx_cpu.libs/libblas" in report["resolved"]
+    a = np.arange(12, dtype=np.float64).reshape(3, 4)
+    np.testing.assert_array_equal(report["product"], a @ a.T)
+
+
+def test_leaves_a_preloaded_blas_alone(tmp_path):
+    (reference_blas,) = _mlx_cpu_libs().glob("libblas-*.so*")
+    code = FALLBACK.replace("PRE_IMPORT", "")
+    report = run_with_blas(code, None, tmp_path, LD_PRELOAD=str(reference_blas))
+    assert report["warnings"] == []
+    assert report["active"] == "preloaded" and report["shim"] is None
+    assert report["resolved"] == report["library"] == str(reference_blas.resolve())
+    assert not (tmp_path / "blas").exists()  # nothing compiled
+
+
+# -- the shim covers what MLX imports ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_shim_forwards_every_blas_symbol_mlx_imports(home, monkeypatch):
+    from mlxspec import blas
+
+    def dynamic_symbols(path: Path, which: str) -> set[str]:
+        lines = subprocess.run(
+            ["nm", "-D", which, str(path)], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        return {line.split()[-1].split("@")[0] for line in lines if line.strip()}
+
+    libmlx = _mlx_cpu_libs().parent / "mlx" / "lib" / "libmlx.so"
+    bundled = set()
+    for library in _mlx_cpu_libs().glob("lib*blas*.so*"):
+        bundled |= dynamic_symbols(library, "--defined-only")
+    for library in _mlx_cpu_libs().glob("liblapack*.so*"):
+        bundled |= dynamic_symbols(library, "--defined-only")
+    imported = dynamic_symbols(libmlx, "--undefined-only") & bundled
+    assert "cblas_sgemm" in imported
+
+    monkeypatch.setenv("MLXSPEC_HOME", str(home))
+    forwarded = dynamic_symbols(blas.shim_library(), "--defined-only")
+    assert imported <= forwarded, f"not forwarded: {sorted(imported - forwarded)}"
+
+
+# -- a whole model forward under both BLAS choices ----------------------------------------------------
+
+TINY_LLAMA_LOGITS = r"""
+import json
+import mlxspec
+import mlx.core as mx
+from mlx_lm.models import llama
+
+mx.random.seed(0)
+args = llama.ModelArgs(model_type="llama", hidden_size=96, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=6, num_key_value_heads=2,
+                       rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=True)
+model = llama.Model(args)
+model.set_dtype(mx.float32)
+tokens = mx.array([[1, 17, 300, 42, 7, 99, 5, 256]])
+logits = model(tokens)
+print(json.dumps({"logits": logits.tolist(), "argmax": mx.argmax(logits, -1).tolist()}))
+"""
+
+
+def test_model_forward_matches_between_reference_and_openblas(home):
+    reference = run_with_blas(TINY_LLAMA_LOGITS, "reference", home)
+    optimized = run_with_blas(TINY_LLAMA_LOGITS, None, home)
+    np.testing.assert_allclose(optimized["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
+    assert optimized["argmax"] == reference["argmax"]
+
+
+GREEDY_TOKENS = r"""
+import json
+import mlxspec
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import dequantize_model
+
+model, tokenizer = mlxspec.load(MODEL_DIR)
+dequantize_model(model)
+model.set_dtype(mx.float32)  # only float32 matmuls go through BLAS
+prompt = mx.array(tokenizer.encode("The three primary colors are"))
+tokens = [int(token) for token, _ in generate_step(prompt, model, max_tokens=12)]
+print(json.dumps({"tokens": tokens}))
+"""
+
+
+@pytest.mark.slow
+def test_greedy_tokens_of_real_model_equal_between_reference_and_openblas(smollm2_dir, home):
+    code = GREEDY_TOKENS.replace("MODEL_DIR", repr(str(smollm2_dir)))
+    reference = run_with_blas(code, "reference", home)
+    optimized = run_with_blas(code, None, home)
+    assert len(optimized["tokens"]) == 12
+    assert optimized["tokens"] == reference["tokens"]
