@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import click
-
 from mlxspec.cli.common import model_option, sampling_options, stats_line
 from mlxspec.cli.speculative_options import load_draft, speculative_options
 
@@ -56,13 +55,14 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     from mlxspec.load import load, model_bytes
 
     nn_model, tokenizer = load(model)
-    draft = load_draft(draft_model)
+    draft, draft_tokenizer = load_draft(draft_model)
     if seed is not None:
         mx.random.seed(seed)
     session = ChatSession(
         nn_model, tokenizer, system=system, max_kv_size=max_kv_size, max_tokens=max_tokens,
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, draft_model=draft,
-        num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+        draft_tokenizer=draft_tokenizer, num_draft_tokens=num_draft_tokens,
+        prompt_lookup=prompt_lookup, ngram_max=ngram_max,
     )
     nbytes = model_bytes(nn_model)
     interactive = sys.stdin.isatty()

@@ -6,7 +6,6 @@ import json
 import sys
 
 import click
-
 from mlxspec.cli.common import model_option, sampling_options, stats_line
 from mlxspec.cli.speculative_options import load_draft, speculative_options
 
@@ -41,7 +40,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     if prompt == "-":
         prompt = sys.stdin.read()
     nn_model, tokenizer = load(model)
-    draft = load_draft(draft_model)
+    draft, draft_tokenizer = load_draft(draft_model)
     if tokenizer.chat_template and not no_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
@@ -51,7 +50,8 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     for last in stream_generate(
         nn_model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
         top_k=top_k, min_p=min_p, seed=seed, stop=stop, max_kv_size=max_kv_size,
-        draft_model=draft, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
+        draft_model=draft, draft_tokenizer=draft_tokenizer,
+        num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
         ngram_max=ngram_max,
     ):
         text += last.text

@@ -36,10 +36,12 @@ def speculative_options(f):
 
 
 def load_draft(draft_model: str | None):
-    """The draft model, loaded with mlxspec.load, or None."""
+    """``(model, tokenizer)`` of the draft model, loaded with mlxspec.load, or ``(None, None)``.
+
+    The tokenizer lets the library check that the draft shares the target's tokenizer.
+    """
     if draft_model is None:
-        return None
+        return None, None
     from mlxspec.load import load
 
-    model, _ = load(draft_model)
-    return model
+    return load(draft_model)

@@ -22,7 +22,7 @@ from mlxspec.generate import Response, stream_generate
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -42,6 +42,8 @@ class ChatSession:
         system: optional system prompt.
         max_kv_size: use a rotating cache of this many tokens (bounded memory).
         generation: default keyword arguments for ``stream_generate`` (temp, max_tokens, ...).
+            ``draft_model`` (+ ``draft_tokenizer``) or ``prompt_lookup`` (+ ``ngram_max``) build one
+            drafter for the whole conversation: like the target's, its cache is kept across turns.
     """
 
     def __init__(
@@ -62,13 +64,36 @@ class ChatSession:
         self.system = system
         self.max_kv_size = max_kv_size
         self.generation = generation
+        self.draft = self._make_drafter()
         self.messages: list[dict[str, str]] = []
         self.last: Response | None = None
         self.prefilled_tokens = 0  # tokens prefilled in the last turn (the rest came from cache)
         self.reset()
 
+    def _make_drafter(self) -> Any:
+        """The speculative drafter asked for in ``generation`` (popped from it), or None."""
+        draft_model = self.generation.pop("draft_model", None)
+        draft_tokenizer = self.generation.pop("draft_tokenizer", None)
+        prompt_lookup = self.generation.pop("prompt_lookup", False)
+        ngram_max = self.generation.pop("ngram_max", 3)
+        if draft_model is None and not prompt_lookup:
+            return None
+        from mlxspec.speculative import make_drafter
+
+        return make_drafter(
+            self.tokenizer,
+            self.model,
+            draft_model=draft_model,
+            draft_tokenizer=draft_tokenizer,
+            prompt_lookup=prompt_lookup,
+            ngram_max=ngram_max,
+            max_kv_size=self.max_kv_size,
+        )
+
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
+        if self.draft is not None:
+            self.draft.reset()
         self.messages = []
         self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
         self.cached_tokens: list[int] = []
@@ -114,6 +139,10 @@ class ChatSession:
         generated: list[int] = []
         text = ""
         options = {**self.generation, **overrides}
+        if self.draft is not None:
+            # The drafter conditions on the whole conversation, not only the new tokens.
+            self.draft.prefix = tokens[:keep]
+            options.setdefault("draft", self.draft)
         try:
             for response in stream_generate(
                 self.model, self.tokenizer, tokens[keep:], prompt_cache=self.cache, **options

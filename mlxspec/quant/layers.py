@@ -1,0 +1,468 @@
+"""Zero-point quantized layers, drop-in replacements for ``nn.Linear`` and ``nn.Embedding`` in any
+mlx-lm model, and the loader of the mlxspec zero-point format (registered with
+:func:`mlxspec.load.register_format` when this module is imported).
+
+Each layer holds the three arrays of :mod:`mlxspec.quant.format` (``weight``, ``scales``,
+``zeros``), plus ``bias`` when the layer has one and ``perm`` for GPTQ act-order layers, whose
+groups follow a permutation of the input features (``y = x[..., perm] @ W.T``).
+
+How ``x @ W.T`` runs (:func:`matmul_path`):
+
+- Metal: the zero-point kernels (:func:`mlxspec.quant.kernels.zp_matmul`).
+- CPU (MLX's fallback, e.g. Linux): MLX's CPU ``quantized_matmul`` is a plain loop that redoes the
+  whole mat-vec for every row of ``x``, while a float32 matmul goes through the optimized BLAS that
+  ``import mlxspec`` loads. Measured on a 2-core x86 machine for every layer shape of SmolLM2-135M
+  and Gemma-3-270M at M = 1, 2, 4, 8 rows (``bench/quantized.py``, "kernels"), BLAS on a float32
+  copy dequantized once was the fastest in all 87 cases: 2-2.5x faster at M = 1 (1.5x for the
+  vocabulary-sized heads) and 15-60x at M = 8, at 4 and 8 bits. So on the
+  CPU each layer dequantizes itself once, on first use, into a float32 copy (exact: see
+  :func:`mlxspec.quant.format.dequantize`) -- *quantization then saves disk and download size but
+  not memory or time on a CPU* -- as long as the copies fit in a budget (``MLXSPEC_ZP_DENSE_GB``,
+  default a quarter of physical memory); layers past the budget stay packed and use
+  ``mx.quantized_matmul`` on the exact affine form. ``MLXSPEC_ZP_CPU=quantized`` keeps every layer
+  packed (least memory), ``MLXSPEC_ZP_CPU=dense`` ignores the budget.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from mlxspec.errors import CorruptModelError, QuantizationError
+from mlxspec.quant import format, kernels
+
+CPU_PATH_ENV = "MLXSPEC_ZP_CPU"  # "auto" (default), "dense" or "quantized"
+DENSE_BUDGET_ENV = "MLXSPEC_ZP_DENSE_GB"  # float32 copies allowed on the CPU path, in GB
+FORMAT_NAME = "zp"  # config.json: {"quantization": {"format": "zp", ...}}
+
+_dense_bytes = 0  # float32 copies currently held by CPU-path layers, in bytes
+
+
+# -- the CPU matmul policy -----------------------------------------------------------------------
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def dense_budget() -> int:
+    """Bytes of float32 copies the CPU path may hold (``MLXSPEC_ZP_DENSE_GB``)."""
+    value = os.environ.get(DENSE_BUDGET_ENV)
+    if value:
+        try:
+            return int(float(value) * 1e9)
+        except ValueError as e:
+            raise QuantizationError(f"{DENSE_BUDGET_ENV}={value!r} is not a number of GB") from e
+    return _physical_memory() // 4
+
+
+def cpu_path_setting() -> str:
+    """``MLXSPEC_ZP_CPU``: ``"auto"``, ``"dense"`` or ``"quantized"``."""
+    value = os.environ.get(CPU_PATH_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "dense", "quantized"):
+        raise QuantizationError(f"{CPU_PATH_ENV}={value!r}: choose auto, dense or quantized")
+    return value
+
+
+def matmul_path(out_features: int, in_features: int) -> str:
+    """How a zero-point layer of this shape multiplies on the active backend right now:
+    ``"metal"`` (zero-point kernels), ``"dense"`` (float32 copy + BLAS) or ``"quantized"``
+    (``mx.quantized_matmul`` on the affine form). See the module docstring for the measurements.
+    """
+    if kernels.backend() == "metal":
+        return "metal"
+    setting = cpu_path_setting()
+    if setting != "auto":
+        return setting
+    fits = _dense_bytes + 4 * out_features * in_features <= dense_budget()
+    return "dense" if fits else "quantized"
+
+
+def describe() -> str:
+    """One line for ``mlxspec doctor``: how zero-point layers multiply here."""
+    if kernels.backend() == "metal":
+        return "zero-point layers: Metal kernels"
+    setting = cpu_path_setting()
+    used = f"{_dense_bytes / 1e9:.2f} GB of float32 copies held"
+    if setting == "quantized":
+        return "zero-point layers on CPU: packed, mx.quantized_matmul (MLXSPEC_ZP_CPU=quantized)"
+    if setting == "dense":
+        return f"zero-point layers on CPU: float32 copy + BLAS for every layer ({used})"
+    return (
+        "zero-point layers on CPU: float32 copy + BLAS (faster than quantized_matmul at every "
+        f"measured shape) within {dense_budget() / 1e9:.1f} GB, packed beyond ({used})"
+    )
+
+
+def _release(nbytes: int) -> None:
+    global _dense_bytes
+    _dense_bytes -= nbytes
+
+
+class _Cache:
+    """Arrays derived from a layer's packed weight, rebuilt when the weight arrays change."""
+
+    def __init__(self):
+        self.source = None  # (weight, scales, zeros) the derived arrays were built from
+        self.path = None
+        self.biases = None  # float32 affine biases -s*z (quantized path)
+        self.dense = None  # float32 (out, in) (dense path)
+
+
+# -- the layers ----------------------------------------------------------------------------------
+
+
+class _ZeroPoint(nn.Module):
+    """The packed weight shared by :class:`ZeroPointLinear` and :class:`ZeroPointEmbedding`."""
+
+    def __init__(self, out_features: int, in_features: int, bits: int, group_size: int):
+        super().__init__()
+        format.check_spec(bits, group_size, in_features)
+        self.bits, self.group_size = bits, group_size
+        self.in_features, self.out_features = in_features, out_features
+        n_groups = in_features // group_size
+        self.weight = mx.zeros((out_features, in_features * bits // 32), dtype=mx.uint32)
+        self.scales = mx.ones((out_features, n_groups), dtype=mx.float16)
+        self.zeros = mx.zeros((out_features, format.packed_cols(n_groups, bits)), dtype=mx.uint32)
+        self._cache = _Cache()
+
+    def set_quantized(self, q, scales, zeros) -> None:
+        """Store integers ``q`` ``(out, in)``, scales and integer zero-points ``(out, in / g)``."""
+        self.weight = mx.array(format.pack(q, self.bits))
+        self.scales = mx.array(scales).astype(mx.float16)
+        self.zeros = mx.array(format.pack(zeros, self.bits))
+
+    def dequantize(self, dtype=mx.float32) -> mx.array:
+        """The dense weight ``(out, in)`` in the stored column order (``perm`` not undone)."""
+        return format.dequantize(
+            self.weight, self.scales, self.zeros, self.bits, self.group_size, dtype=dtype
+        )
+
+    def _derived(self) -> _Cache:
+        """This layer's cache, rebuilt if its arrays were replaced (e.g. by load_weights)."""
+        c = self._cache
+        source = (self.weight, self.scales, self.zeros)
+        if c.source is None or any(a is not b for a, b in zip(c.source, source, strict=True)):
+            self._cache = c = _Cache()
+            c.source = source
+            c.path = matmul_path(self.out_features, self.in_features)
+            if c.path == "dense":
+                global _dense_bytes
+                c.dense = self.dequantize(mx.float32)
+                nbytes = 4 * self.out_features * self.in_features
+                _dense_bytes += nbytes
+                weakref.finalize(c, _release, nbytes)
+            else:
+                c.biases = format.to_mlx_affine(*source, self.bits, self.group_size)[2]
+        return c
+
+    def _matmul(self, x: mx.array) -> mx.array:
+        """``x @ W.T``: x ``(..., in)`` float -> ``(..., out)`` of x's dtype."""
+        c = self._derived()
+        if c.path == "dense":
+            return (x.astype(mx.float32) @ c.dense.T).astype(x.dtype)
+        return kernels.zp_matmul(
+            x, self.weight, self.scales, self.zeros, bits=self.bits,
+            group_size=self.group_size, biases=c.biases,
+        )
+
+    def _extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}"
+        )
+
+
+class ZeroPointLinear(_ZeroPoint):
+    """``y = x @ W.T (+ bias)`` with ``W`` in the zero-point format; drop-in for ``nn.Linear``.
+
+    Parameters: ``weight`` uint32 ``(out, in * bits / 32)``, ``scales`` float16 ``(out, in / g)``,
+    ``zeros`` uint32 ``(out, ceil(in / g * bits / 32))``, optional ``bias`` ``(out,)`` and optional
+    ``perm`` uint32 ``(in,)`` (act-order: column ``j`` of W belongs to input feature ``perm[j]``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        bits: int = 4,
+        group_size: int = 64,
+        permuted: bool = False,
+    ):
+        super().__init__(out_features, in_features, bits, group_size)
+        if bias:
+            self.bias = mx.zeros((out_features,))
+        if permuted:
+            self.perm = mx.arange(in_features, dtype=mx.uint32)
+        self.freeze()
+
+    @classmethod
+    def from_quantized(
+        cls, q, scales, zeros, *, bits: int, group_size: int, bias=None, perm=None
+    ) -> ZeroPointLinear:
+        """A layer from integer ``q`` ``(out, in)``, ``scales`` and integer ``zeros``
+        ``(out, in / g)`` (numpy or mx), an optional ``bias`` and act-order ``perm``."""
+        out_features, in_features = q.shape
+        layer = cls(
+            in_features, out_features, bias is not None, bits=bits, group_size=group_size,
+            permuted=perm is not None,
+        )
+        layer.set_quantized(q, scales, zeros)
+        if bias is not None:
+            layer.bias = mx.array(bias)
+        if perm is not None:
+            layer.perm = mx.array(perm).astype(mx.uint32)
+        return layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x: ``(..., in_features)`` float -> ``(..., out_features)`` of the same dtype."""
+        if "perm" in self:
+            x = mx.take(x, self["perm"], axis=-1)
+        y = self._matmul(x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class ZeroPointEmbedding(_ZeroPoint):
+    """A zero-point embedding table ``(num_embeddings, dims)``; drop-in for ``nn.Embedding``,
+    including ``as_linear`` for models whose output head is tied to it.
+
+    ``dtype`` is the dtype of the looked-up rows (the model's activation dtype; the scales are
+    always float16).
+    """
+
+    def __init__(
+        self, num_embeddings: int, dims: int, *, bits: int = 4, group_size: int = 64,
+        dtype=mx.float32,
+    ):
+        super().__init__(num_embeddings, dims, bits, group_size)
+        self.num_embeddings, self.dims, self.dtype = num_embeddings, dims, dtype
+        self.freeze()
+
+    @classmethod
+    def from_quantized(
+        cls, q, scales, zeros, *, bits: int, group_size: int, dtype=mx.float32
+    ) -> ZeroPointEmbedding:
+        num_embeddings, dims = q.shape
+        layer = cls(num_embeddings, dims, bits=bits, group_size=group_size, dtype=dtype)
+        layer.set_quantized(q, scales, zeros)
+        return layer
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """ids: integer ``(...)`` -> ``(..., dims)`` of ``self.dtype``."""
+        c = self._derived()
+        if c.path == "dense":
+            return c.dense[ids].astype(self.dtype)
+        if c.biases is None:  # Metal: the kernels do not need the affine form, lookups do
+            c.biases = format.to_mlx_affine(*c.source, self.bits, self.group_size)[2]
+        # float32 scales: mx.dequantize computes in the scales' dtype, and s*q - s*z is exact
+        # only in float32.
+        rows = mx.dequantize(
+            self.weight[ids], self.scales[ids].astype(mx.float32), c.biases[ids],
+            self.group_size, self.bits,
+        )
+        return rows.astype(self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """The tied output head: x ``(..., dims)`` -> logits ``(..., num_embeddings)``."""
+        return self._matmul(x)
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, bits={self.bits}, group_size={self.group_size}"
+
+
+ZERO_POINT_LAYERS = (ZeroPointLinear, ZeroPointEmbedding)
+MLX_QUANTIZED_LAYERS = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+
+
+# -- model conversion helpers ------------------------------------------------------------------
+
+
+def replace_modules(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """Swap the submodules at the given dotted paths (e.g. ``model.layers.0.mlp.up_proj``)."""
+    if modules:
+        model.update_modules(tree_unflatten(list(modules.items())))
+
+
+def zero_point_like(
+    module: nn.Module, q, scales, zeros, *, bits: int, group_size: int, perm=None
+) -> nn.Module:
+    """The zero-point replacement of an ``nn.Linear`` (bias kept) or ``nn.Embedding`` (rows in
+    its dtype), from integers ``q`` ``(out, in)``, ``scales`` and ``zeros`` ``(out, in / g)``."""
+    if isinstance(module, nn.Embedding):
+        return ZeroPointEmbedding.from_quantized(
+            q, scales, zeros, bits=bits, group_size=group_size, dtype=module.weight.dtype
+        )
+    return ZeroPointLinear.from_quantized(
+        q, scales, zeros, bits=bits, group_size=group_size, bias=module.get("bias"), perm=perm
+    )
+
+
+def zero_point_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Path -> layer of every zero-point layer in ``model``."""
+    return {p: m for p, m in model.named_modules() if isinstance(m, ZERO_POINT_LAYERS)}
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """True if any layer of ``model`` is already quantized (zero-point or MLX affine)."""
+    return any(
+        isinstance(m, ZERO_POINT_LAYERS + MLX_QUANTIZED_LAYERS) or "scales" in m
+        for _, m in model.named_modules()
+    )
+
+
+def activation_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """The model's float dtype, read from its unquantized float weights (norms, biases)."""
+    for key, value in weights.items():
+        if mx.issubdtype(value.dtype, mx.floating) and not key.endswith(".scales"):
+            return value.dtype
+    return mx.float32
+
+
+def swap_in_zero_point(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Replace each ``nn.Linear``/``nn.Embedding`` whose weights are zero-point in ``weights``
+    (``<path>.zeros`` present) by a zero-point layer of the shapes those arrays imply."""
+    dtype = activation_dtype(weights)
+    new = {}
+    for path, module in model.named_modules():
+        if f"{path}.zeros" not in weights or not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        out_features, in_features = module.weight.shape
+        packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
+        bits = packed.shape[-1] * 32 // in_features
+        group_size = in_features // max(scales.shape[-1], 1)
+        if packed.shape[-1] * 32 != bits * in_features or scales.shape[-1] * group_size != (
+            in_features
+        ):
+            raise CorruptModelError(
+                f"{path}: packed weight {tuple(packed.shape)} / scales {tuple(scales.shape)} "
+                f"do not fit a {out_features}x{in_features} layer: the checkpoint is corrupt"
+            )
+        try:
+            if isinstance(module, nn.Embedding):
+                new[path] = ZeroPointEmbedding(
+                    out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
+                )
+            else:
+                new[path] = ZeroPointLinear(
+                    in_features, out_features, "bias" in module, bits=bits,
+                    group_size=group_size, permuted=f"{path}.perm" in weights,
+                )
+        except QuantizationError as e:
+            raise CorruptModelError(f"{path}: {e}") from e
+    replace_modules(model, new)
+
+
+def to_mlx_affine_model(model: nn.Module) -> nn.Module:
+    """Replace every zero-point layer by MLX's own ``nn.QuantizedLinear``/``QuantizedEmbedding``
+    holding the exact affine form (float32 biases ``-s*z``; float32 scales for embeddings), so
+    mlx-lm can load the saved model and compute the same numbers.
+
+    Raises QuantizationError for act-order layers (MLX has no input permutation).
+    """
+    new = {}
+    for path, layer in zero_point_modules(model).items():
+        if "perm" in layer:
+            raise QuantizationError(
+                f"{path} was quantized with act-order, which MLX's affine format cannot express: "
+                "save it with --format zp, or quantize without --act-order"
+            )
+        weight, scales, biases = format.to_mlx_affine(
+            layer.weight, layer.scales, layer.zeros, layer.bits, layer.group_size
+        )
+        if isinstance(layer, ZeroPointEmbedding):
+            affine = nn.QuantizedEmbedding(
+                layer.num_embeddings, layer.dims, group_size=layer.group_size, bits=layer.bits
+            )
+            # mlx-lm looks rows up with mx.dequantize, which computes in the scales' dtype:
+            # float32 scales keep the lookups exact (16 more bits per group, in this table only).
+            scales = scales.astype(mx.float32)
+        else:
+            affine = nn.QuantizedLinear(
+                layer.in_features, layer.out_features, "bias" in layer,
+                group_size=layer.group_size, bits=layer.bits,
+            )
+            if "bias" in layer:
+                affine.bias = layer.bias
+        affine.weight, affine.scales, affine.biases = weight, scales, biases
+        new[path] = affine
+    replace_modules(model, new)
+    return model
+
+
+# -- loading the zero-point format ------------------------------------------------------------
+
+
+def is_zero_point_config(config: dict) -> bool:
+    quantization = config.get("quantization")
+    return isinstance(quantization, dict) and quantization.get("format") == FORMAT_NAME
+
+
+def read_safetensors(model_dir: Path) -> dict[str, mx.array]:
+    """Every tensor of the directory's ``model*.safetensors`` files."""
+    files = sorted(Path(model_dir).glob("model*.safetensors"))
+    if not files:
+        raise CorruptModelError(f"{model_dir} has no model*.safetensors weights")
+    weights = {}
+    for file in files:
+        weights.update(mx.load(str(file)))
+    return weights
+
+
+def build_model(model_dir: Path, config: dict, weights: dict[str, mx.array], lazy: bool):
+    """The mlx-lm model for ``config`` holding ``weights`` (zero-point layers where the weights
+    are zero-point), loaded strictly."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    swap_in_zero_point(model, weights)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model
+
+
+def load_zero_point(model_dir: Path, config: dict, lazy: bool) -> nn.Module:
+    """Loader of the ``zp`` weight format (see :mod:`mlxspec.load`)."""
+    from mlx_lm.utils import load_config
+
+    return build_model(model_dir, load_config(Path(model_dir)), read_safetensors(model_dir), lazy)
+
+
+def model_summary(model: nn.Module) -> dict:
+    """Counts for reports: zero-point layers by bits and the CPU paths they took."""
+    layers = zero_point_modules(model).values()
+    by_bits: dict[int, int] = {}
+    for layer in layers:
+        by_bits[layer.bits] = by_bits.get(layer.bits, 0) + 1
+    return {
+        "zero_point_layers": len(layers),
+        "layers_by_bits": by_bits,
+        "dense_float32_gb": _dense_bytes / 1e9,
+    }
+
+
+def _register() -> None:
+    from mlxspec.load import WeightFormat, register_format
+    from mlxspec.quant import checkpoints
+
+    register_format(WeightFormat("gptq/awq", checkpoints.is_checkpoint_config, checkpoints.load))
+    register_format(WeightFormat(FORMAT_NAME, is_zero_point_config, load_zero_point))
+
+
+_register()

@@ -1,0 +1,404 @@
+"""Quantize a whole model into the zero-point format, in memory, and save it.
+
+    model, quantization = quantize_model(model, bits=4, group_size=64, method="gptq",
+                                         calibration_tokens=calibration_windows(tokenizer)[0])
+    save_quantized(model, "out", config=config, quantization=quantization, source_dir=src)
+
+Which layers get which bits is a *plan*: every ``nn.Linear`` and ``nn.Embedding`` (a tied output
+head is the embedding) at ``bits``/``group_size``, unless a recipe rule says otherwise
+(:func:`load_recipe`; JSON files in ``models/``, installed as ``mlxspec.recipes``).
+
+Methods:
+
+- ``rtn``: round-to-nearest with a per-group clipping search (:mod:`mlxspec.quant.rtn`).
+- ``gptq``: the decoder blocks' linears with GPTQ (:mod:`mlxspec.quant.gptq`), layer by layer as
+  AutoGPTQ and gpt-fast do: the calibration windows are run through the embedding once, then
+  through one block at a time; each block's linears get their Hessians from that block's inputs,
+  are quantized, and the *quantized* block's outputs become the next block's inputs. Memory holds
+  one block's activations and Hessians, never the whole model's. Embeddings and an untied
+  ``lm_head`` use ``rtn``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxspec.errors import OutputExistsError, QuantizationError
+from mlxspec.quant import format, gptq, rtn
+from mlxspec.quant.layers import (
+    FORMAT_NAME,
+    replace_modules,
+    to_mlx_affine_model,
+    zero_point_like,
+)
+from mlxspec.quant.mixed import LayerSpec, load_recipe, plan_layers, quantizable_layers
+
+METHODS = ("rtn", "gptq")
+FORMATS = (FORMAT_NAME, "mlx")
+DEFAULT_CALIBRATION_WINDOWS = 32
+DEFAULT_CALIBRATION_TOKENS = 256  # tokens per calibration window
+CALIBRATION_BATCH = 4  # windows run through a block at a time
+# Files copied from the source model directory next to the quantized weights.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+# -- calibration text ----------------------------------------------------------------------------
+
+
+def builtin_calibration_path() -> Path:
+    """The calibration text shipped with the package (``mlxspec/data/calibration.txt``, see
+    ``data/PROVENANCE.md``; disjoint from the evaluation text)."""
+    return Path(str(resources.files("mlxspec") / "data" / "calibration.txt"))
+
+
+def calibration_windows(
+    tokenizer,
+    path: str | Path | None = None,
+    *,
+    windows: int = DEFAULT_CALIBRATION_WINDOWS,
+    window_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+) -> tuple[list[list[int]], str]:
+    """Consecutive token windows of a calibration text and the text's sha256.
+
+    Args:
+        tokenizer: has ``encode(text, add_special_tokens=False)``.
+        path: a UTF-8 text file; None for the built-in calibration text.
+        windows: at most this many windows (fewer if the text is shorter).
+        window_tokens: tokens per window.
+
+    Returns:
+        ``(windows, sha256 hex of the file's bytes)``.
+    """
+    path = Path(path) if path is not None else builtin_calibration_path()
+    if not path.is_file():
+        raise QuantizationError(f"calibration text not found: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise QuantizationError(f"{path} is not UTF-8 text: {e.reason}") from e
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    count = min(windows, len(ids) // window_tokens)
+    if count < 1:
+        raise QuantizationError(
+            f"{path} holds {len(ids)} tokens, fewer than one calibration window of "
+            f"{window_tokens}: give a longer text"
+        )
+    out = [ids[i * window_tokens : (i + 1) * window_tokens] for i in range(count)]
+    return out, hashlib.sha256(data).hexdigest()
+
+
+# -- quantizing ----------------------------------------------------------------------------------
+
+
+def _rtn_layer(module: nn.Module, spec: LayerSpec, grid: int) -> nn.Module:
+    q, scales, zeros = rtn.quantize(
+        np.array(module.weight.astype(mx.float32)), spec.bits, spec.group_size, grid=grid
+    )
+    return zero_point_like(module, q, scales, zeros, bits=spec.bits, group_size=spec.group_size)
+
+
+class _StopForward(Exception):
+    """Raised by the last block's catcher: the rest of the forward pass is not needed."""
+
+
+class _Catcher:
+    """Stands in for a decoder block during one forward pass and records how it is called."""
+
+    def __init__(self, block, record: list, stop: bool):
+        self.block, self.record, self.stop = block, record, stop
+
+    def __getattr__(self, name):  # models read block attributes (e.g. llama's use_sliding)
+        return getattr(self.block, name)
+
+    def __call__(self, x, *args, **kwargs):
+        self.record.append((x, args, kwargs))
+        if self.stop:
+            raise _StopForward
+        return x
+
+
+def _block_calls(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list]:
+    """The first block's input ``(batch, T, hidden)`` for ``tokens`` ``(batch, T)``, and the extra
+    arguments (mask, cache) the model passes to each block."""
+    blocks = model.layers
+    records = [[] for _ in blocks]
+    originals = list(blocks)
+    try:
+        for i, block in enumerate(originals):
+            blocks[i] = _Catcher(block, records[i], stop=i == len(blocks) - 1)
+        model(tokens)
+    except _StopForward:
+        pass
+    finally:
+        for i, block in enumerate(originals):
+            blocks[i] = block
+    if any(len(r) != 1 for r in records):
+        raise QuantizationError(
+            "this model does not call its decoder blocks one after another: use --method rtn"
+        )
+    return records[0][0][0], [(args, kwargs) for _, args, kwargs in (r[0] for r in records)]
+
+
+class _SharedInputs:
+    """The inputs seen during one block call, so that linears fed the same array (q/k/v,
+    gate/up) share one Hessian instead of accumulating three identical ones."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[mx.array, gptq.Hessian]] = {}
+
+
+class _HessianRecorder(nn.Module):
+    """Wraps a linear layer; adds each input to the layer's (possibly shared) Hessian."""
+
+    def __init__(self, linear: nn.Module, shared: _SharedInputs):
+        super().__init__()
+        self.linear = linear
+        self.shared = shared
+        self.hessian: gptq.Hessian | None = None
+
+    def __call__(self, x):
+        seen = self.shared.seen.get(id(x))
+        if seen is not None and seen[0] is x:
+            self.hessian = seen[1]
+        else:
+            self.hessian = self.hessian or gptq.Hessian(x.shape[-1])
+            self.hessian.add(x)
+            self.shared.seen[id(x)] = (x, self.hessian)
+        return self.linear(x)
+
+
+def _gptq_blocks(model, plan, calibration: mx.array, *, act_order, damp, grid, advance):
+    """Quantize every planned linear inside the decoder blocks with GPTQ, block by block."""
+    if not isinstance(getattr(model, "layers", None), list):
+        raise QuantizationError("GPTQ needs an mlx-lm model with decoder blocks (model.layers)")
+    paths = {id(m): p for p, m in model.named_modules()}
+    chunks = [calibration[i : i + CALIBRATION_BATCH]
+              for i in range(0, calibration.shape[0], CALIBRATION_BATCH)]
+    hidden, calls = [], None
+    for chunk in chunks:
+        x, chunk_calls = _block_calls(model, chunk)
+        mx.eval(x)
+        hidden.append(x)
+        calls = calls or chunk_calls
+    done = set()
+    for block, (args, kwargs) in zip(model.layers, calls, strict=True):
+        prefix = paths[id(block)]
+        targets = {
+            name: module for name, module in block.named_modules()
+            if plan.get(f"{prefix}.{name}") is not None and isinstance(module, nn.Linear)
+        }
+        shared = _SharedInputs()
+        recorders = {name: _HessianRecorder(m, shared) for name, m in targets.items()}
+        replace_modules(block, recorders)
+        for x in hidden:
+            mx.eval(block(x, *args, **kwargs))
+            shared.seen.clear()
+        quantized = {}
+        for name, module in targets.items():
+            spec = plan[f"{prefix}.{name}"]
+            q, scales, zeros, perm = gptq.quantize(
+                np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(), spec.bits,
+                spec.group_size, damp=damp, act_order=act_order, grid=grid,
+            )
+            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                              group_size=spec.group_size, perm=perm)
+            done.add(f"{prefix}.{name}")
+            advance()
+        replace_modules(block, quantized)
+        hidden = [block(x, *args, **kwargs) for x in hidden]
+        mx.eval(hidden)
+    return done
+
+
+def quantize_model(
+    model: nn.Module,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    method: str = "rtn",
+    calibration_tokens=None,
+    recipe: dict | str | None = None,
+    act_order: bool = False,
+    group_fallback: bool = False,
+    damp: float = gptq.DEFAULT_DAMP,
+    grid: int = rtn.DEFAULT_GRID,
+    progress: bool = False,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Quantize ``model`` in place into zero-point layers.
+
+    Args:
+        model: an unquantized mlx-lm model.
+        bits, group_size: defaults for every layer (see :mod:`mlxspec.quant.format`).
+        method: ``"rtn"`` or ``"gptq"``.
+        calibration_tokens: for ``gptq``: token windows, ``(n, T)`` ints (list of lists or mx).
+        recipe: a recipe dict, or a name/path for :func:`load_recipe`.
+        act_order: GPTQ visits columns by decreasing activation (stored with ``perm``; zp only).
+        group_fallback: layers whose input size ``group_size`` does not divide use the largest
+            supported group size that does, instead of an error.
+        grid: clipping ratios tried per group (1 = min-max).
+        progress: show a rich progress bar (one step per layer).
+
+    Returns:
+        ``(model, quantization)``: the same model object, and the ``quantization`` entry for
+        ``config.json`` (``format``, ``method``, ``bits``, ``group_size``, per-layer exceptions in
+        ``layers``, ``bits_per_weight``, ...).
+    """
+    if method not in METHODS:
+        raise QuantizationError(f"unknown method {method!r}: choose {' or '.join(METHODS)}")
+    if isinstance(recipe, (str, Path)):
+        recipe = load_recipe(recipe)
+    format.check_spec(bits, group_size, group_size)
+    plan = plan_layers(model, bits, group_size, recipe=recipe, group_fallback=group_fallback)
+    calibration = None
+    if method == "gptq":
+        if calibration_tokens is None:
+            raise QuantizationError("GPTQ needs calibration_tokens (see calibration_windows)")
+        calibration = mx.array(calibration_tokens)
+        if calibration.ndim != 2 or calibration.shape[0] < 1:
+            raise QuantizationError("calibration_tokens must be (windows, tokens) token ids")
+    layers = quantizable_layers(model)
+    todo = [p for p, spec in plan.items() if spec is not None]
+    with _progress(len(todo), progress, f"quantizing ({method}, {bits}-bit)") as advance:
+        done = set()
+        if calibration is not None:
+            done = _gptq_blocks(model, plan, calibration, act_order=act_order, damp=damp,
+                                grid=grid, advance=advance)
+        for path in todo:
+            if path not in done:
+                replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid)})
+                advance()
+    mx.eval(model.parameters())
+    quantization = {
+        "format": FORMAT_NAME,
+        "method": method,
+        "bits": bits,
+        "group_size": group_size,
+        "act_order": bool(act_order and method == "gptq"),
+        "recipe": (recipe or {}).get("name"),
+        "layers": {
+            path: None if spec is None else {"bits": spec.bits, "group_size": spec.group_size}
+            for path, spec in plan.items()
+            if spec != LayerSpec(bits, group_size)
+        },
+        "bits_per_weight": round(bits_per_weight(model), 4),
+    }
+    from mlxspec import __version__
+
+    quantization["mlxspec_version"] = __version__
+    return model, quantization
+
+
+class _progress:
+    """A rich progress bar over ``total`` layers; yields an ``advance()`` callable."""
+
+    def __init__(self, total: int, show: bool, description: str):
+        self.total, self.show, self.description = total, show, description
+
+    def __enter__(self):
+        if not self.show:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.bar = Progress("[progress.description]{task.description}", BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+        self.bar.start()
+        task = self.bar.add_task(self.description, total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.show:
+            self.bar.stop()
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Stored bits per model weight: all parameter bytes * 8 / number of weights (as mlx-lm's
+    ``compute_bits_per_weight``: norms and biases included, a quantized weight counted once)."""
+    from mlx_lm.utils import compute_bits_per_weight
+
+    return float(compute_bits_per_weight(model))
+
+
+# -- saving --------------------------------------------------------------------------------------
+
+
+def save_quantized(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    config: dict[str, Any],
+    quantization: dict[str, Any],
+    source_dir: str | Path | None = None,
+    output_format: str = FORMAT_NAME,
+    force: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a quantized model directory atomically (a temporary sibling, then a rename).
+
+    Args:
+        model: a model quantized by :func:`quantize_model`. With ``output_format="mlx"`` it is
+            converted in place to MLX affine layers (exact: float32 biases ``-s*z``).
+        out_dir: the directory to create.
+        config: the source model's ``config.json`` dict.
+        quantization: what :func:`quantize_model` returned.
+        source_dir: copy the tokenizer, chat template and generation config from here.
+        output_format: ``"zp"`` (mlxspec, loaded by ``mlxspec.load``) or ``"mlx"`` (standard
+            mlx-lm affine, loaded by plain ``mlx_lm.load``).
+        force: replace an existing ``out_dir``.
+        extra: more keys for ``config["quantization"]`` (``source_model``, ``calibration_sha256``).
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    from mlx_lm.utils import save_model
+
+    if output_format not in FORMATS:
+        raise QuantizationError(f"unknown format {output_format!r}: choose zp or mlx")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise OutputExistsError(f"{out_dir} exists: pass --force to overwrite it")
+    record = {**quantization, **(extra or {}), "format": output_format}
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    if output_format == "mlx":
+        to_mlx_affine_model(model)
+        record["mode"] = "affine"
+        for path, spec in record.pop("layers").items():
+            record[path] = False if spec is None else {**spec, "mode": "affine"}
+        config["quantization"] = record
+        config["quantization_config"] = record  # mlx-lm writes both (Hugging Face reads this)
+    else:
+        config["quantization"] = record
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_model(tmp, model, donate_model=False)
+        (tmp / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+        if source_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(source_dir) / name).is_file():
+                    shutil.copy(Path(source_dir) / name, tmp / name)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,135 @@
+"""Round-to-nearest quantization with a per-group clipping search.
+
+For each group of ``group_size`` weights (see :mod:`mlxspec.quant.format`) the range ``[lo, hi]``
+(which always contains 0, so that the zero-point ``z`` stays in ``[0, 2**bits - 1]``) is shrunk by
+a few ratios ``r`` in ``[min_ratio, 1]``; each candidate gives ``s = r * (hi - lo) / qmax`` rounded
+to the scales' dtype, ``z = round(-r * lo / s)`` and ``q = clip(round(w / s) + z, 0, qmax)``, and
+the candidate with the smallest (optionally weighted) squared reconstruction error
+``sum(weight * (s * (q - z) - w)**2)`` is kept. Clipping a few outliers lets the other weights of
+the group use finer steps; for 4-bit weights the error drops by ~10-20% against plain min-max.
+
+Everything runs in float32 with numpy; :func:`quantize` works through the rows in chunks so that
+memory stays bounded on large embedding tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlxspec.quant.format import check_spec
+
+ROW_CHUNK = 512  # rows quantized at a time by quantize()
+DEFAULT_GRID = 10  # clipping ratios tried per group (20 gains ~1.5% less error, at twice the time)
+DEFAULT_MIN_RATIO = 0.5  # smallest ratio of the group's range tried
+
+
+def _round_scales(s: np.ndarray, scale_dtype) -> np.ndarray:
+    """``s`` rounded to ``scale_dtype`` (float16), as float32; never 0 (tiny groups keep a step)."""
+    tiny = np.finfo(scale_dtype).smallest_subnormal
+    return np.maximum(s, tiny).astype(scale_dtype).astype(np.float32)
+
+
+def quantize_with(w: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.ndarray:
+    """Integers ``q = clip(round(w / s) + z, 0, qmax)`` for given group parameters.
+
+    Args:
+        w: float32 ``(..., g)``, one group per leading index.
+        scales, zeros: float32 ``(...,)`` (scales already rounded to their storage dtype).
+    """
+    qmax = 2**bits - 1
+    q = np.rint(w / scales[..., None]) + zeros[..., None]
+    return np.clip(q, 0, qmax)
+
+
+def _squared_error(w, s, z, qmax: int, importance) -> np.ndarray:
+    """Per-group ``sum(importance * (s * (q - z) - w)**2)``, computed in place (the hot loop)."""
+    t = w / s[..., None]
+    np.rint(t, out=t)
+    t += z[..., None]
+    np.clip(t, 0, qmax, out=t)
+    t -= z[..., None]
+    t *= s[..., None]
+    t -= w
+    np.square(t, out=t)
+    if importance is not None:
+        t *= importance
+    return t.sum(axis=-1)
+
+
+def find_params(
+    w: np.ndarray,
+    bits: int,
+    *,
+    importance: np.ndarray | None = None,
+    grid: int = DEFAULT_GRID,
+    min_ratio: float = DEFAULT_MIN_RATIO,
+    scale_dtype=np.float16,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero-point of each group, chosen by the clipping search.
+
+    Args:
+        w: float32 ``(..., g)``: the groups.
+        bits: bits per weight.
+        importance: optional non-negative float32 ``(g,)`` or ``(..., g)`` weighting each weight's
+            squared error (e.g. the mean squared input activation of its column).
+        grid: number of clipping ratios tried, evenly spaced from 1 down to ``min_ratio``;
+            1 gives plain min-max.
+
+    Returns:
+        ``(scales, zeros)``: float32 ``(...,)`` scales (exactly representable in ``scale_dtype``)
+        and float32 integer-valued zero-points.
+    """
+    w = np.asarray(w, np.float32)
+    qmax = 2**bits - 1
+    lo = np.minimum(w.min(axis=-1), 0)
+    hi = np.maximum(w.max(axis=-1), 0)
+    best_s = best_z = np.zeros(w.shape[:-1], np.float32)
+    best_err = np.full(w.shape[:-1], np.inf, np.float32)
+    for ratio in np.linspace(1.0, min_ratio, grid) if grid > 1 else [1.0]:
+        s = _round_scales(ratio * (hi - lo) / qmax, scale_dtype)
+        z = np.clip(np.rint(-ratio * lo / s), 0, qmax)
+        err = _squared_error(w, s, z, qmax, importance)
+        better = err < best_err
+        best_s = np.where(better, s, best_s)
+        best_z = np.where(better, z, best_z)
+        best_err = np.where(better, err, best_err)
+    return best_s, best_z
+
+
+def quantize(
+    weight,
+    bits: int,
+    group_size: int,
+    *,
+    importance: np.ndarray | None = None,
+    grid: int = DEFAULT_GRID,
+    scale_dtype=np.float16,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round-to-nearest zero-point quantization of a weight matrix.
+
+    Args:
+        weight: ``(out_features, in_features)`` float (numpy or mx).
+        bits, group_size: see :mod:`mlxspec.quant.format`; ``in_features % group_size == 0``.
+        importance: optional float32 ``(in_features,)`` per-column weighting of the squared error
+            (e.g. ``E[x**2]`` of the layer's inputs).
+        grid: clipping ratios tried (1 = plain min-max).
+
+    Returns:
+        ``(q, scales, zeros)``: uint8 ``(out, in)``, ``scale_dtype`` ``(out, in / g)``,
+        uint8 ``(out, in / g)``; ``w ~= scales * (q - zeros)`` group-wise.
+    """
+    w = np.asarray(weight, np.float32)
+    out_features, in_features = w.shape
+    check_spec(bits, group_size, in_features)
+    n_groups = in_features // group_size
+    imp = None if importance is None else np.asarray(importance, np.float32).reshape(n_groups, -1)
+    q = np.empty((out_features, in_features), np.uint8)
+    scales = np.empty((out_features, n_groups), scale_dtype)
+    zeros = np.empty((out_features, n_groups), np.uint8)
+    for r in range(0, out_features, ROW_CHUNK):
+        groups = w[r : r + ROW_CHUNK].reshape(-1, n_groups, group_size)
+        s, z = find_params(groups, bits, importance=imp, grid=grid, scale_dtype=scale_dtype)
+        q[r : r + ROW_CHUNK] = quantize_with(groups, s, z, bits).reshape(-1, in_features)
+        scales[r : r + ROW_CHUNK] = s
+        zeros[r : r + ROW_CHUNK] = z
+    return q, scales, zeros

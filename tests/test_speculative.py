@@ -1,0 +1,692 @@
+"""Speculative decoding is lossless and rolls back exactly.
+
+References are independent of the code under test: mlx-lm's plain ``generate_step`` (greedy
+token-for-token equality), exact next-token distributions computed in float64 numpy from the
+target's logits (sampling), mlx-lm's ``RotatingKVCache`` fed one token at a time (the sliding-window
+cache), and hand-made distributions (the rejection-sampling step).
+
+Chi-square tests use fixed seeds and reject at p < 1e-4 (``ALPHA``); each also checks its power
+against a wrong distribution. The real-model tests (SmolLM2-135M, Gemma-3-270M) keep prompts few and
+generations short enough for a few minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from chi_square import chi_square_pvalue
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlxspec.draft_planner import HOPELESS_PAUSE, DraftLengthPlanner, SpecStats
+from mlxspec.errors import TokenizerMismatchError
+from mlxspec.generate import SamplingParams
+from mlxspec.speculative import (
+    DraftModelDrafter,
+    PromptLookupDrafter,
+    SpeculativeFallbackWarning,
+    check_tokenizers,
+    make_drafter,
+    speculative_generate_step,
+    verify_greedy,
+    verify_sampling,
+)
+from mlxspec.window_cache import WindowKVCache, make_cache
+
+ALPHA = 1e-4
+GREEDY = SamplingParams()
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, scale: float = 4.0) -> llama.Model:
+    """A random llama with a scaled output head, so its predictions are far from uniform."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.lm_head.weight = scale * model.lm_head.weight
+    mx.eval(model.parameters())
+    return model
+
+
+def rebuild(model: nn.Module, layers: int | None = None) -> nn.Module:
+    """A new model object sharing ``model``'s weights, optionally with only its first layers."""
+    args = model.args
+    if layers is not None:
+        changes = {"num_hidden_layers": layers}
+        if getattr(args, "layer_types", None):
+            changes["layer_types"] = args.layer_types[:layers]
+        args = dataclasses.replace(args, **changes)
+    copy = type(model)(args)
+    weights = {k: v for k, v in tree_flatten(model.parameters())
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < len(copy.layers)}
+    copy.load_weights(list(copy.sanitize(weights).items()))  # sanitize: e.g. tied embeddings
+    return copy
+
+
+def first_layers(model: nn.Module, n: int) -> nn.Module:
+    """A deliberately bad draft: the target's first ``n`` layers (shared weights)."""
+    return rebuild(model, n)
+
+
+def quantized_copy(model: nn.Module) -> nn.Module:
+    """A 4-bit copy of the target (mlx-lm affine, group size 64)."""
+    copy = rebuild(model)
+    nn.quantize(copy, group_size=64, bits=4)
+    mx.eval(copy.parameters())
+    return copy
+
+
+def drafter_for(model: nn.Module, draft: nn.Module, max_kv_size: int | None = None):
+    width = model(mx.array([[0]])).shape[-1]
+    return DraftModelDrafter(draft, vocab_size=width, real_vocab=width, max_kv_size=max_kv_size)
+
+
+def plain_tokens(model, prompt, max_tokens, cache=None, processors=None, sampling=GREEDY):
+    cache = cache if cache is not None else make_prompt_cache(model)
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache,
+                          sampler=sampling.sampler(), logits_processors=processors)
+    return [t for t, _ in steps]
+
+
+def spec_tokens(model, drafter, prompt, max_tokens, k="auto", cache=None, processors=None,
+                sampling=GREEDY, stats=None):
+    cache = cache if cache is not None else make_prompt_cache(model)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, sampling=sampling, max_tokens=max_tokens,
+        prompt_cache=cache, logits_processors=processors, num_draft_tokens=k, stats=stats)
+    return [t for t, _, _ in steps]
+
+
+# -- the verification step on hand-made distributions -----------------------------------------
+
+
+def test_verify_greedy_accepts_the_agreeing_prefix_then_the_targets_token():
+    target_argmax = [[3, 1, 4, 1], [3, 1, 4, 1], [3, 1, 4, 1]]
+    drafts = mx.array([[3, 1, 4], [3, 2, 4], [0, 1, 4]])
+    logprobs = mx.log(mx.array(np.eye(5)[np.array(target_argmax)] * 0.9 + 0.02, mx.float32))
+    accepted, token = verify_greedy(logprobs, drafts)
+    assert accepted.tolist() == [3, 1, 0]
+    assert token.tolist() == [1, 1, 3]  # the bonus token, then the target's at the mismatch
+
+
+P = np.array([[0.40, 0.30, 0.15, 0.10, 0.05, 0.00],
+              [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
+              [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])
+Q = np.array([[0.10, 0.50, 0.10, 0.10, 0.10, 0.10],
+              [0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
+
+
+def test_verify_sampling_emits_the_target_distribution():
+    """Drafts drawn from q, verified against p: the emitted tokens follow p, position by position."""
+    batch = 200_000
+    mx.random.seed(0)
+    q = mx.broadcast_to(mx.array(Q, mx.float32), (batch, 2, 6))
+    p = mx.broadcast_to(mx.array(P, mx.float32), (batch, 3, 6))
+    drafts = mx.random.categorical(mx.log(q)).astype(mx.uint32)  # (batch, 2)
+    accepted, token = verify_sampling(p, q, drafts)
+    accepted, token, drafts = np.array(accepted), np.array(token), np.array(drafts)
+    # The emitted sequence is d1..d_n, then `token`.
+    emitted = np.concatenate([drafts, np.zeros((batch, 1), np.uint32)], axis=1)
+    emitted[np.arange(batch), accepted] = token
+    for position, rows in [(0, np.ones(batch, bool)), (1, accepted >= 1), (2, accepted == 2)]:
+        counts = np.bincount(emitted[rows, position], minlength=6)
+        support = P[position] > 0
+        assert counts[~support].sum() == 0
+        assert chi_square_pvalue(counts[support], P[position][support] * rows.sum()) > ALPHA
+    # The first draft is kept with probability sum(min(p, q)) (binomial, 5 standard deviations).
+    beta = np.minimum(P[0], Q[0]).sum()
+    assert abs((accepted >= 1).mean() - beta) < 5 * np.sqrt(beta * (1 - beta) / batch)
+    # Power: the drafts themselves (distribution q) fail the same test.
+    counts = np.bincount(drafts[:, 0], minlength=6)
+    assert chi_square_pvalue(counts[P[0] > 0], P[0][P[0] > 0] * batch) < ALPHA
+
+
+def test_verify_sampling_with_deterministic_proposals():
+    """Prompt lookup proposes with q one-hot: d is kept with probability p(d)."""
+    batch = 200_000
+    mx.random.seed(1)
+    p = mx.broadcast_to(mx.array(P[:2], mx.float32), (batch, 2, 6))
+    drafts = mx.full((batch, 1), 1, mx.uint32)
+    accepted, token = verify_sampling(p, None, drafts)
+    accepted, token = np.array(accepted), np.array(token)
+    first = np.where(accepted == 1, 1, token)
+    assert chi_square_pvalue(np.bincount(first, minlength=6)[:5], P[0][:5] * batch) > ALPHA
+    assert abs(accepted.mean() - P[0][1]) < 5 * np.sqrt(0.3 * 0.7 / batch)
+
+
+def test_verify_sampling_without_drafts_samples_the_target():
+    """k = 0 (speculation paused): one plain sample from p_0."""
+    batch = 100_000
+    mx.random.seed(2)
+    p = mx.broadcast_to(mx.array(P[1:2], mx.float32), (batch, 1, 6))
+    accepted, token = verify_sampling(p, None, mx.zeros((batch, 0), mx.uint32))
+    assert int(mx.max(accepted)) == 0
+    counts = np.bincount(np.array(token), minlength=6)
+    assert chi_square_pvalue(counts, P[1] * batch) > ALPHA
+
+
+# -- the sliding-window cache --------------------------------------------------------------------
+
+
+def attend(queries, keys, values, mask):
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.5, mask=mask)
+
+
+def test_window_cache_gives_each_query_the_window_of_a_one_token_step():
+    """Chunks, rollbacks and conversions of a WindowKVCache reproduce RotatingKVCache's one-token
+    steps (keep=4 attention sinks, window 16) for every query."""
+    mx.random.seed(0)
+    n, shape = 70, (1, 2, 70, 8)
+    keys, values, queries = (mx.random.normal(shape) for _ in range(3))
+    rotating, expected = RotatingKVCache(max_size=16, keep=4), []
+    for t in range(n):
+        k, v = rotating.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        expected.append(attend(queries[:, :, t : t + 1], k, v, None))
+    expected = mx.concatenate(expected, axis=2)
+
+    window, t = WindowKVCache(max_size=16, keep=4, slack=8), 0
+    for chunk, rollback in [(5, 0), (9, 3), (1, 0), (7, 7), (7, 2), (30, 0), (4, 4), (12, 5)]:
+        end = min(t + chunk, n)
+        mask = window.make_mask(end - t)
+        k, v = window.update_and_fetch(keys[:, :, t:end], values[:, :, t:end])
+        got = attend(queries[:, :, t:end], k, v, mask)
+        np.testing.assert_allclose(np.array(got), np.array(expected[:, :, t:end]), atol=1e-5)
+        assert window.trim(rollback) == rollback
+        t = end - rollback
+    # Back to mlx-lm's cache type; one-token steps continue exactly.
+    back = RotatingKVCache(max_size=16, keep=4)
+    window.to_rotating(back)
+    for s in range(t, n):
+        k, v = back.update_and_fetch(keys[:, :, s : s + 1], values[:, :, s : s + 1])
+        got = attend(queries[:, :, s : s + 1], k, v, None)
+        np.testing.assert_allclose(np.array(got), np.array(expected[:, :, s : s + 1]), atol=1e-5)
+
+
+def test_make_cache_bounds_every_full_attention_layer():
+    model = tiny_llama(0)
+    assert all(isinstance(c, KVCache) for c in make_cache(model))
+    bounded = make_cache(model, 32)
+    assert all(isinstance(c, RotatingKVCache) and c.max_size == 32 and c.keep == 4 for c in bounded)
+
+
+# -- greedy equality on tiny models ---------------------------------------------------------------
+
+PROMPT = [1, 5, 7, 9, 3, 5, 7, 2, 8, 8, 1, 5, 7, 11, 12, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_llama(0, layers=4)
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("kind", ["self", "other", "bad", "lookup"])
+def test_greedy_speculative_equals_plain_greedy_on_tiny_models(tiny_target, kind, k):
+    model = tiny_target
+    drafter = {
+        "self": lambda: drafter_for(model, model),
+        "other": lambda: drafter_for(model, tiny_llama(1)),
+        "bad": lambda: drafter_for(model, first_layers(model, 1)),
+        "lookup": lambda: PromptLookupDrafter(),
+    }[kind]()
+    stats = SpecStats()
+    assert spec_tokens(model, drafter, PROMPT, 80, k, stats=stats) == plain_tokens(model, PROMPT, 80)
+    assert stats.generated == 80
+    if k != "auto":
+        assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_with_a_rotating_cache_past_its_window_equals_plain(tiny_target, k):
+    model = tiny_target
+    expected = plain_tokens(model, PROMPT, 120, cache=make_cache(model, 24))
+    assert expected != plain_tokens(model, PROMPT, 120)  # the window matters
+    cache = make_cache(model, 24)
+    got = spec_tokens(model, drafter_for(model, first_layers(model, 2), max_kv_size=24), PROMPT,
+                      120, k, cache=cache)
+    assert got == expected
+    assert all(type(c) is RotatingKVCache for c in cache)  # the caller's cache types are restored
+
+
+def test_logits_processors_see_the_same_history_as_plain_decoding(tiny_target):
+    model = tiny_target
+    processors = make_logits_processors({3: 1.5, 7: -2.0}, repetition_penalty=1.5,
+                                        repetition_context_size=40)
+    expected = plain_tokens(model, PROMPT, 60, processors=processors)
+    assert expected != plain_tokens(model, PROMPT, 60)
+    for drafter in (drafter_for(model, tiny_llama(1)), PromptLookupDrafter()):
+        assert spec_tokens(model, drafter, PROMPT, 60, 3, processors=processors) == expected
+
+
+def test_closing_early_leaves_only_yielded_tokens_in_the_cache(tiny_target):
+    model = tiny_target
+    cache = make_prompt_cache(model)
+    steps = speculative_generate_step(mx.array(PROMPT), model, drafter_for(model, model),
+                                      sampling=GREEDY, max_tokens=50, prompt_cache=cache,
+                                      num_draft_tokens=6)
+    got = [next(steps)[0] for _ in range(3)]  # the first pass accepts 6 drafts; stop after 3
+    steps.close()
+    assert got == plain_tokens(model, PROMPT, 3)
+    assert len(PROMPT) + 2 <= cache[0].offset <= len(PROMPT) + 3
+
+
+class SlowDrafter(DraftModelDrafter):
+    """A perfect draft (the target itself) that takes 50 ms per drafted token: never worth it."""
+
+    def __init__(self, model):
+        width = model(mx.array([[0]])).shape[-1]
+        super().__init__(model, vocab_size=width, real_vocab=width)
+        self.step_seconds = 0.05
+
+    def propose(self, context, k, sampling, process):
+        time.sleep(0.05 * k)
+        return super().propose(context, k, sampling, process)
+
+
+def test_paused_speculation_decodes_plainly_and_exactly(tiny_target):
+    """When drafting does not pay, auto-k pauses and decodes plainly (pipelined); stopping in the
+    middle leaves only yielded tokens in the cache."""
+    model = tiny_target
+    stats = SpecStats()
+    assert spec_tokens(model, SlowDrafter(model), PROMPT, 60, stats=stats) == \
+        plain_tokens(model, PROMPT, 60)
+    assert stats.plain_passes >= 55
+    cache = make_prompt_cache(model)
+    steps = speculative_generate_step(mx.array(PROMPT), model, SlowDrafter(model),
+                                      sampling=GREEDY, max_tokens=60, prompt_cache=cache)
+    got = [next(steps)[0] for _ in range(30)]
+    steps.close()
+    assert got == plain_tokens(model, PROMPT, 30)
+    assert len(PROMPT) + 28 <= cache[0].offset <= len(PROMPT) + 30
+
+
+def test_a_cache_that_cannot_roll_back_falls_back_to_plain_decoding(tiny_target):
+    class FixedCache(KVCache):
+        def is_trimmable(self):
+            return False
+
+    model = tiny_target
+    cache = [FixedCache() for _ in model.layers]
+    stats = SpecStats()
+    with pytest.warns(SpeculativeFallbackWarning, match="cannot roll back"):
+        got = spec_tokens(model, drafter_for(model, model), PROMPT, 20, 3, cache=cache, stats=stats)
+    assert got == plain_tokens(model, PROMPT, 20)
+    assert stats.fallback and stats.drafted == 0 and "off" in stats.summary()
+
+
+# -- sampling end to end on a small vocabulary ----------------------------------------------------
+
+
+def exact_two_token_distribution(model, prompt: list[int], temp: float) -> np.ndarray:
+    """P(x1, x2) of plain sampling, (vocab, vocab) float64, from the model's logits."""
+    def next_probs(ids):
+        logits = np.array(model(mx.array([ids]))[0, -1], np.float64) / temp
+        e = np.exp(logits - logits.max())
+        return e / e.sum()
+
+    p1 = next_probs(prompt)
+    return np.stack([p1[x] * next_probs(prompt + [x]) for x in range(p1.size)])
+
+
+def test_speculative_sampling_matches_plain_sampling_for_the_first_two_tokens():
+    vocab, temp, runs = 6, 1.0, 3000
+    target = tiny_llama(2, layers=2, vocab=vocab, scale=2.0)
+    drafter = drafter_for(target, tiny_llama(3, layers=1, vocab=vocab, scale=2.0))
+    prompt = [1, 4, 2]
+    exact = exact_two_token_distribution(target, prompt, temp)
+    stats = SpecStats()
+    mx.random.seed(0)
+    counts = np.zeros((vocab, vocab))
+    for _ in range(runs):
+        x1, x2 = spec_tokens(target, drafter, prompt, 2, 2, sampling=SamplingParams(temp=temp),
+                             stats=stats)
+        counts[x1, x2] += 1
+    assert 0.2 < stats.acceptance_rate < 0.9  # both acceptance and rejection are exercised
+    cells = exact.ravel() * runs >= 5  # pool the rare cells into one
+    observed = np.append(counts.ravel()[cells], counts.ravel()[~cells].sum())
+    expected = np.append(exact.ravel()[cells], exact.ravel()[~cells].sum()) * runs
+    assert chi_square_pvalue(observed, expected) > ALPHA
+    # Power: the draft's own two-token distribution is rejected by the same counts.
+    wrong = exact_two_token_distribution(drafter.model, prompt, temp).ravel()
+    assert chi_square_pvalue(observed, np.append(wrong[cells], wrong[~cells].sum()) * runs) < ALPHA
+
+
+def record_proposals(drafter) -> list[tuple[int, list[int]]]:
+    """Make ``drafter`` record (context length, proposed tokens) of every proposal."""
+    proposals, propose = [], drafter.propose
+
+    def recording(context, k, sampling, process):
+        proposal = propose(context, k, sampling, process)
+        proposals.append((len(context), proposal.tokens))
+        return proposal
+
+    drafter.propose = recording
+    return proposals
+
+
+def teacher_forced_probs(model, ids: list[int], temp: float = 1.0) -> np.ndarray:
+    """(len(ids), vocab) float64 next-token distributions at temperature ``temp``."""
+    logits = np.array(model(mx.array([ids]))[0], np.float64) / temp
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0):
+    """Generate with k = 1 and compare each trial with the two models' distributions there.
+
+    Returns (observed acceptances, sum of beta = sum_x min(p, q), sum of beta (1 - beta), sum of
+    sum_x p q, trials) over all verified drafts, p and q teacher-forced in float64.
+    """
+    observed = expected = variance = naive = trials = 0.0
+    for prompt in prompts:
+        drafter = drafter_for(model, draft_model)
+        proposals = record_proposals(drafter)
+        out = spec_tokens(model, drafter, prompt, max_tokens, 1,
+                          sampling=SamplingParams(temp=temp))
+        ids = prompt + out
+        p = teacher_forced_probs(model, ids, temp)
+        q = teacher_forced_probs(draft_model, ids, temp)
+        for start, tokens in proposals:  # k = 1: each proposal is one trial
+            if not tokens or start >= len(ids):
+                continue
+            beta = np.minimum(p[start - 1], q[start - 1]).sum()  # row predicting `start`
+            expected, variance = expected + beta, variance + beta * (1 - beta)
+            naive += (p[start - 1] * q[start - 1]).sum()
+            observed += ids[start] == tokens[0]  # a rejected draft is never the residual
+            trials += 1
+    return observed, expected, variance, naive, trials
+
+
+def test_acceptance_of_a_4bit_copy_is_sum_of_min_p_q_on_a_tiny_model():
+    """Each verified draft is kept with probability sum_x min(p(x), q(x)) (rejection sampling),
+    not the sum_x p(x) q(x) of comparing two independent samples: within 5% over ~1250 trials
+    (one standard deviation is ~1% here)."""
+    target = tiny_llama(4, layers=2, vocab=64, scale=3.0)
+    q4 = quantized_copy(target)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, 12).tolist() for _ in range(8)]
+    mx.random.seed(0)
+    observed, expected, variance, naive, trials = acceptance_against_theory(target, q4, prompts,
+                                                                            300)
+    assert trials >= 1000
+    assert abs(observed - expected) <= 0.05 * expected, (observed, expected, trials)
+    assert abs(observed - expected) <= 4 * np.sqrt(variance)
+    assert naive < 0.9 * expected  # the sample-comparison rule would accept visibly less
+
+
+# -- drafters, tokenizer check, planner ------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
+    lookup = PromptLookupDrafter(ngram_max=3)
+    context = [9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 8, 0, 2, 3]
+    assert lookup.propose(context, 3, GREEDY, None).tokens == [6, 8, 0]  # "2 3" -> latest match
+    assert lookup.propose(context + [6], 2, GREEDY, None).tokens == [8, 0]  # "2 3 6" wins
+    assert lookup.propose([5, 4, 3], 4, GREEDY, None).tokens == []  # re-indexed, no match
+    assert lookup.propose([5, 4, 3, 5], 4, GREEDY, None).tokens == [4, 3, 5]
+
+
+class FakeTokenizer:
+    def __init__(self, tokens, bos=0, eos=1, pad=None, special=("<s>", "</s>")):
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos, eos, pad
+        self.all_special_tokens = list(special)
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_check_tokenizers_allows_padding_and_names_the_first_difference():
+    base = ["<s>", "</s>", "a", "b", "c"]
+    check_tokenizers(FakeTokenizer(base), FakeTokenizer(base + ["<extra_0>", "<extra_1>"]))
+    with pytest.raises(TokenizerMismatchError, match=r"token id 3 is 'b' .* but 'x'"):
+        check_tokenizers(FakeTokenizer(base), FakeTokenizer(["<s>", "</s>", "a", "x", "c"]))
+    with pytest.raises(TokenizerMismatchError, match="EOS"):
+        check_tokenizers(FakeTokenizer(base), FakeTokenizer(base, eos=4))
+    with pytest.raises(TokenizerMismatchError, match="PAD"):
+        check_tokenizers(FakeTokenizer(base), FakeTokenizer(base, pad=2))
+
+
+def test_draft_ids_beyond_the_real_vocabulary_are_never_proposed(tiny_target):
+    """A draft whose embedding is padded (vocab 64) for a target with 40 real tokens."""
+    model = tiny_target
+    drafter = DraftModelDrafter(tiny_llama(1), vocab_size=64, real_vocab=40)
+    proposal = drafter.propose(PROMPT, 8, SamplingParams(temp=1.0), None)
+    assert proposal.probs.shape == (8, 64)
+    assert float(proposal.probs[:, 40:].sum()) == 0.0 and max(proposal.tokens) < 40
+    assert spec_tokens(model, drafter, PROMPT, 30, 3) == plain_tokens(model, PROMPT, 30)
+
+
+def simulate(planner: DraftLengthPlanner, steps: int, step_s: float, per_token_s: float,
+             draft_s: float, acceptance: float) -> list[int]:
+    """Feed the planner the costs of a machine where a pass over n tokens costs
+    step_s + per_token_s * (n - 1); drafts are accepted with the given rate (deterministic)."""
+    ks, credit = [], 0.0
+    planner.observe_prefill(64, 64 * per_token_s + step_s)
+    for _ in range(steps):
+        k = planner.choose(100)
+        accepted = 0
+        for _ in range(k):
+            credit += acceptance
+            if credit < 1:
+                break
+            credit -= 1
+            accepted += 1
+        planner.observe(k, k, accepted, draft_s * k, step_s + per_token_s * k, fed=1)
+        ks.append(k)
+    return ks
+
+
+def test_planner_turns_speculation_off_when_a_pass_costs_k_steps():
+    planner = DraftLengthPlanner("auto")
+    ks = simulate(planner, 200, step_s=0.01, per_token_s=0.01, draft_s=0.003, acceptance=0.9)
+    assert sum(k > 0 for k in ks) <= 3 and planner.paused > HOPELESS_PAUSE - 250
+
+
+def test_planner_speculates_when_passes_are_cheap_and_drafts_good():
+    planner = DraftLengthPlanner("auto")
+    ks = simulate(planner, 200, step_s=0.01, per_token_s=0.0005, draft_s=0.001, acceptance=0.85)
+    assert sum(k > 0 for k in ks) > 190 and 3 <= np.mean(ks[10:]) <= 16
+
+
+def test_planner_pauses_on_bad_drafts_and_retries():
+    planner = DraftLengthPlanner("auto")
+    ks = simulate(planner, 300, step_s=0.01, per_token_s=0.0005, draft_s=0.002, acceptance=0.02)
+    speculative = [i for i, k in enumerate(ks) if k > 0]
+    assert 2 <= len(speculative) <= 30  # tried, paused, tried again later
+    assert speculative[-1] > 100
+
+
+def test_planner_counts_the_draft_catch_up_before_switching_on():
+    """A good, cheap draft that first has to catch up on a long context: worth it for a long
+    generation, not for a short one."""
+    def planner_after_some_passes():
+        planner = DraftLengthPlanner("auto", draft_step=0.001)
+        planner.observe_prefill(64, 0.05)
+        planner.observe(0, 0, 0, 0.0, 0.01, fed=0)  # a plain pass: 10 ms
+        planner.observe(4, 4, 4, 0.104, 0.012, fed=101)  # a catch-up of 100 tokens: 1 ms each
+        return planner
+
+    assert planner_after_some_passes().choose(8, catch_up=500) == 0
+    assert planner_after_some_passes().choose(1000, catch_up=500) > 0
+    assert planner_after_some_passes().choose(8, catch_up=1) > 0
+
+
+def test_fixed_k_is_used_as_given():
+    planner = DraftLengthPlanner(5)
+    assert [planner.choose(100) for _ in range(3)] + [planner.choose(2)] == [5, 5, 5, 2]
+
+
+# -- the real models ------------------------------------------------------------------------------
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works, step by step.",
+    "List ten uses for a paperclip and say why each works.",
+]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2):
+    """SmolLM2 with its drafts: a 4-bit copy and a bad draft (its first 4 of 30 layers)."""
+    model, tokenizer = smollm2
+    return model, tokenizer, quantized_copy(model), first_layers(model, 4)
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    """Plain greedy decoding of each prompt (the reference), 200 tokens."""
+    model, tokenizer, _, _ = smol
+    return {text: plain_tokens(model, chat_ids(tokenizer, text), 200) for text in PROMPTS}
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_greedy_with_a_4bit_draft(smol, smol_plain):
+    model, tokenizer, q4, _ = smol
+    drafter = make_drafter(tokenizer, model, draft_model=q4, draft_tokenizer=tokenizer)
+    for text in PROMPTS[:2]:  # one drafter for both prompts: its cache re-syncs by common prefix
+        stats = SpecStats()
+        got = spec_tokens(model, drafter, chat_ids(tokenizer, text), 200, 2, stats=stats)
+        assert got == smol_plain[text], text
+        assert stats.accepted_lengths[-1] > 0 and len(stats.accepted_lengths) == 3  # all kept
+        assert stats.accepted_lengths[0] > 0  # and all rejected
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_plain):
+    model, tokenizer, _, _ = smol
+    drafter, stats = PromptLookupDrafter(), SpecStats()
+    for text in PROMPTS:
+        got = spec_tokens(model, drafter, chat_ids(tokenizer, text), 200, 4, stats=stats)
+        assert got == smol_plain[text], text
+    assert stats.drafted > stats.accepted > 0  # acceptances and rollbacks
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_greedy_with_a_bad_draft(smol, smol_plain):
+    model, tokenizer, _, bad = smol
+    stats = SpecStats()
+    got = spec_tokens(model, drafter_for(model, bad), chat_ids(tokenizer, PROMPTS[2]), 200, 3,
+                      stats=stats)
+    assert got == smol_plain[PROMPTS[2]]
+    assert stats.drafted > stats.accepted  # rejections were rolled back
+
+
+@pytest.mark.slow
+def test_greedy_with_a_small_rotating_cache_equals_plain_past_the_window(smol):
+    """max_kv_size = 64 < prompt + generation: both caches slide, roll back, and stay exact."""
+    model, tokenizer, _, bad = smol
+    prompt = chat_ids(tokenizer, PROMPTS[1])
+    expected = plain_tokens(model, prompt, 120, cache=make_cache(model, 64))
+    assert expected != plain_tokens(model, prompt, 120)  # the window changes the output
+    drafter = drafter_for(model, bad, max_kv_size=64)
+    cache = make_cache(model, 64)
+    assert spec_tokens(model, drafter, prompt, 120, 3, cache=cache) == expected
+    assert cache[0].offset == len(prompt) + 120 - 1 and type(cache[0]) is RotatingKVCache
+
+
+@pytest.mark.slow
+def test_a_model_drafting_for_itself_at_temperature_1_is_accepted(smol):
+    model, tokenizer, _, _ = smol
+    stats = SpecStats()
+    mx.random.seed(0)
+    spec_tokens(model, drafter_for(model, model), chat_ids(tokenizer, PROMPTS[0]), 48, 4,
+                sampling=SamplingParams(temp=1.0), stats=stats)
+    assert stats.drafted >= 36 and stats.acceptance_rate >= 0.99
+
+
+@pytest.mark.slow
+def test_acceptance_with_a_4bit_draft_is_sum_of_min_p_q(smol):
+    """SmolLM2 and its 4-bit copy at temperature 1: the observed acceptances match the sum over
+    the verified drafts of sum_x min(p, q) within 4 standard deviations (~120 trials: about 6%;
+    the tiny-model test above checks 5% with more trials), far above sum_x p q."""
+    model, tokenizer, q4, _ = smol
+    mx.random.seed(0)
+    prompts = [chat_ids(tokenizer, text) for text in PROMPTS[:2]]
+    observed, expected, variance, naive, trials = acceptance_against_theory(model, q4, prompts,
+                                                                            100)
+    assert trials >= 100
+    assert abs(observed - expected) <= 4 * np.sqrt(variance), (observed, expected, trials)
+    assert naive < 0.6 * expected
+
+
+@pytest.mark.slow
+def test_chat_with_a_draft_keeps_both_caches_and_matches_plain_chat(smol):
+    from mlxspec.chat import ChatSession
+
+    model, tokenizer, _, bad = smol
+    turns = ["Name a planet.", "Why is it called that?"]
+    plain = ChatSession(model, tokenizer, max_tokens=24)
+    expected = [plain.reply(turn) for turn in turns]
+    for options in [dict(draft_model=bad, draft_tokenizer=tokenizer, num_draft_tokens=2),
+                    dict(prompt_lookup=True, num_draft_tokens=3)]:
+        session = ChatSession(model, tokenizer, max_tokens=24, **options)
+        assert [session.reply(turn) for turn in turns] == expected
+        assert session.last.spec_stats.drafted > 0
+        if options.get("draft_model") is not None:  # the draft cache holds the conversation
+            held = session.draft.cached
+            assert held == session.cached_tokens[: len(held)] and len(held) > 40
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3):
+    return gemma3
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_speculative_equals_plain_past_its_sliding_window(gemma):
+    """Gemma-3's sliding-window layers (512 tokens) roll back exactly after the window wraps."""
+    model, tokenizer = gemma
+    steps, prompt = [], []
+    while len(prompt) < 470:  # the 64 generated tokens cross the 512-token window
+        steps.append(f"Step {len(steps)}: add {len(steps)} to the total and write it down.")
+        prompt = tokenizer.encode(" ".join(steps))
+    assert len(prompt) < 500
+    expected = plain_tokens(model, prompt, 64)
+    stats = SpecStats()  # prompt lookup: the prompt repeats itself, so drafts are often kept
+    assert spec_tokens(model, PromptLookupDrafter(), prompt, 64, 4, stats=stats) == expected
+    assert 0 < stats.accepted < stats.drafted  # acceptances and rollbacks past the window
+
+
+@pytest.mark.slow
+def test_a_draft_with_another_tokenizer_is_refused(gemma, smollm2):
+    model, tokenizer = gemma
+    draft, draft_tokenizer = smollm2
+    with pytest.raises(TokenizerMismatchError, match="token id 0"):
+        make_drafter(tokenizer, model, draft_model=draft, draft_tokenizer=draft_tokenizer)
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_draft_with_another_tokenizer_in_one_line(gemma3_gguf, smollm2_dir):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mlxspec = str(Path(sys.executable).parent / "mlxspec")
+    result = subprocess.run(
+        [mlxspec, "generate", "-m", str(gemma3_gguf), "--draft-model", str(smollm2_dir),
+         "-p", "Hello", "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "tokenizer" in lines[0], lines
