@@ -1,6 +1,7 @@
 """Speculative decoding benchmark: mlxspec against plain decoding and mlx-lm's speculative decoding.
 
-    python bench/speculative.py [--model M] [--max-tokens N] [--k K] [--temps 0 0.7] [--json]
+    python bench/speculative.py [--model M] [--max-tokens N] [--k K] [--temps 0 0.7]
+                                [--repeats R] [--json]
 
 For each drafting configuration available offline, at each temperature, in one run:
 
@@ -25,8 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import sys
 import time
+from functools import partial
 
 import mlxspec  # noqa: F401
 import mlx.core as mx
@@ -122,7 +126,14 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def bench(model_spec, max_tokens: int, k: int, temps: list[float], seed: int) -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (its acceptance and statistics come with it)."""
+    return sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
+
+
+def bench(
+    model_spec, max_tokens: int, k: int, temps: list[float], seed: int, repeats: int, log=print
+) -> dict:
     model, tokenizer = load(model_spec)
     drafts = {"4-bit self": four_bit_copy(model), "bad draft": rebuild(model, 4)}
     configs = [
@@ -136,26 +147,39 @@ def bench(model_spec, max_tokens: int, k: int, temps: list[float], seed: int) ->
     for name, text, spec in configs:
         prompt = chat_prompt(tokenizer, text)
         for temp in temps:
-            row = {"config": name, "temp": temp, "prompt_tokens": len(prompt)}
-            row["plain"] = run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed)
+            # The four ways, interleaved `repeats` times so that load changes hit them alike.
+            args = (model, tokenizer, prompt, max_tokens, temp, seed)
+            ways = {"plain": partial(run_mlxspec, *args)}
             if "draft_model" in spec:
-                row["mlx_lm"] = run_mlx_lm(
-                    model, tokenizer, spec["draft_model"], prompt, max_tokens, temp, seed, k
+                ways["mlx_lm"] = partial(
+                    run_mlx_lm,
+                    model,
+                    tokenizer,
+                    spec["draft_model"],
+                    prompt,
+                    max_tokens,
+                    temp,
+                    seed,
+                    k,
                 )
-            row["fixed_k"] = run_mlxspec(
-                model, tokenizer, prompt, max_tokens, temp, seed, num_draft_tokens=k, **spec
-            )
-            row["auto_k"] = run_mlxspec(
-                model, tokenizer, prompt, max_tokens, temp, seed, num_draft_tokens="auto", **spec
-            )
+            ways["fixed_k"] = partial(run_mlxspec, *args, num_draft_tokens=k, **spec)
+            ways["auto_k"] = partial(run_mlxspec, *args, num_draft_tokens="auto", **spec)
+            runs = {way: [] for way in ways}
+            for _ in range(repeats):
+                for way, run in ways.items():
+                    runs[way].append(run())
+            row = {"config": name, "temp": temp, "prompt_tokens": len(prompt)}
+            row.update({way: median_run(r) for way, r in runs.items()})
             rows.append(row)
-            print(table_line(row), flush=True)
+            log(table_line(row))
     return {
         "model": model_spec or "default (SmolLM2-135M-Instruct)",
         "max_tokens": max_tokens,
         "k": k,
+        "repeats": repeats,
         "blas": blas_report(measure=False).get("active", "reference"),
-        "machine": f"{platform.machine()} {platform.system()}",
+        "machine": f"{platform.machine()} {platform.system()}, load average "
+        + " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
         "checks": checks(rows),
@@ -203,14 +227,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3, help="draft length for fixed-k and mlx-lm")
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median reported)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     args = parser.parse_args()
-    print("tokens/s (generation); acc = accepted / drafted; k = mean auto-k", flush=True)
-    print(HEADER, flush=True)
-    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed)
+
+    def log(line: str) -> None:  # the table goes to stderr when stdout carries the JSON
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    log("tokens/s (generation, median of repeats); acc = accepted / drafted; k = mean auto-k")
+    log(HEADER)
+    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed, args.repeats, log)
     for name, ok in result["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+        log(f"{'PASS' if ok else 'FAIL'}  {name}")
+    log(result["machine"])
     if args.json:
         print(json.dumps(result, indent=2))
 

@@ -30,6 +30,8 @@ ACCEPTANCE_MEMORY = 0.9  # per-pass decay of the acceptance counts
 MARGIN = 0.05  # speculation must beat plain decoding by this fraction to be used
 MIN_PAUSE, MAX_PAUSE, HOPELESS_PAUSE = 16, 256, 1024  # plain tokens before trying again
 TRIAL_PASSES = 2  # speculative passes after a pause before judging again
+PLAIN_PASSES_FIRST = 2  # plain passes measured before speculation is considered
+PRIOR_ACCEPTANCE = 0.3  # acceptance rate assumed before any draft is verified
 MIN_PREFILL_FOR_PRIOR = 8  # prompt tokens needed to take the prefill cost as the prior slope
 HORIZON = 256  # tokens over which switching speculation on must pay off
 RETRY_COST = 0.05  # longest catch-up (fraction of the paused tokens' plain time) worth a retry
@@ -50,14 +52,23 @@ class DraftLengthPlanner:
 
     Args:
         num_draft_tokens: a fixed k, or ``"auto"``.
-        draft_step: the drafter's own estimate of seconds per drafted token (prior), if any.
+        draft_step, catch_up_step: the drafter's own estimates (priors) of seconds per drafted
+            token and per context token it catches up on, if any.
     """
 
-    def __init__(self, num_draft_tokens: int | str = "auto", draft_step: float | None = None):
+    def __init__(
+        self,
+        num_draft_tokens: int | str = "auto",
+        draft_step: float | None = None,
+        catch_up_step: float | None = None,
+    ):
         self.fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
-        self.accepted, self.rejected = 1.0, 1.0  # decayed counts; prior acceptance 0.5
-        self.draft_cost: float | None = draft_step  # seconds per drafted token
-        self.catch_up_cost: float | None = None  # seconds per context token the drafter catches up
+        # Decayed counts of kept drafts and of passes ending in a rejection; the prior (0.3, worth
+        # two observations) is cautious: only drafts that are cheap enough get tried.
+        self.accepted, self.rejected = PRIOR_ACCEPTANCE * 2, (1 - PRIOR_ACCEPTANCE) * 2
+        self.draft_cost = draft_step  # seconds per drafted token
+        self.catch_up_cost = catch_up_step  # seconds per context token the drafter catches up on
+        self.plain_passes = 0  # measured plain passes
         self.verify_costs: dict[int, float] = {}  # drafts in the pass -> seconds per pass
         self.prior_slope: float | None = None  # seconds per extra token in a pass (prefill)
         self.paused = 0  # plain passes left before speculation is tried again
@@ -80,6 +91,7 @@ class DraftLengthPlanner:
         is a catch-up, whose cost per token is measured separately).
         """
         self.verify_costs[drafted] = _ema(self.verify_costs.get(drafted), verify_s)
+        self.plain_passes += drafted == 0
         if drafted > 0:
             self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
             self.rejected = ACCEPTANCE_MEMORY * self.rejected + (accepted < drafted)
@@ -144,7 +156,7 @@ class DraftLengthPlanner:
         if self.paused > 0:
             self.paused -= 1
             return 0
-        if 0 not in self.verify_costs:  # measure a plain pass first
+        if self.plain_passes < PLAIN_PASSES_FIRST:  # measure plain decoding first
             return 0
         k = self.best_k(limit)
         if self.trial > 0:

@@ -29,6 +29,7 @@ from mlxspec.window_cache import make_cache, rollback_cache
 Process = Callable[[mx.array, mx.array], mx.array]
 
 PREFILL_STEP = 2048  # tokens per forward when catching up on a long context (as mlx-lm)
+PROBE_TOKENS = 8  # tokens of the forward that measures a draft model's catch-up cost
 
 
 @dataclass
@@ -51,12 +52,14 @@ class Drafter:
     """Base class: ``propose`` plus the context bookkeeping shared by all drafters.
 
     ``prefix`` holds the tokens that precede the prompt in the target's prompt cache (a chat
-    session sets it every turn), so the drafter sees the whole conversation. ``step_seconds`` is
-    the drafter's estimate of one draft step's cost (the planner's prior), None if unknown.
+    session sets it every turn), so the drafter sees the whole conversation. ``step_seconds`` and
+    ``catch_up_seconds`` are the drafter's estimates of one draft step and of processing one
+    context token while catching up (priors for the planner), None if unknown.
     """
 
     name = "drafter"
     step_seconds: float | None = None
+    catch_up_seconds: float | None = None
 
     def __init__(self) -> None:
         self.prefix: list[int] = []
@@ -115,9 +118,8 @@ class DraftModelDrafter(Drafter):
         self.reset_cache()
         width = output_width(model)  # (also loads lazily-read weights before the timing below)
         self._vocab_fix = _vocab_fix(width, vocab_size, real_vocab)
-        tic = time.perf_counter()
-        output_width(model)
-        self.step_seconds = time.perf_counter() - tic
+        self.step_seconds = _forward_seconds(model, 1)
+        self.catch_up_seconds = _forward_seconds(model, PROBE_TOKENS) / PROBE_TOKENS
 
     def unsupported_reason(self) -> str | None:
         return self._reason and f"the draft model's {self._reason}"
@@ -180,7 +182,7 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "prompt lookup"
-    step_seconds = 0.0
+    step_seconds = catch_up_seconds = 0.0
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         super().__init__()
@@ -211,6 +213,13 @@ class PromptLookupDrafter(Drafter):
             if end is not None:  # propose what followed that occurrence
                 return Draft(list(context[end : end + k]))
         return Draft([])
+
+
+def _forward_seconds(model: nn.Module, tokens: int) -> float:
+    """Seconds of one forward over ``tokens`` tokens (a fresh cache)."""
+    tic = time.perf_counter()
+    mx.eval(model(mx.zeros((1, tokens), mx.uint32), cache=make_prompt_cache(model)))
+    return time.perf_counter() - tic
 
 
 def output_width(model: nn.Module) -> int:

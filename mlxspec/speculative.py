@@ -299,7 +299,7 @@ def speculative_generate_step(
 
     # The drafter sees the whole context: what the cache held before (if the caller told it).
     prefix = list(draft.prefix) if len(draft.prefix) == _cache_offset(prompt_cache) else []
-    planner = DraftLengthPlanner(num_draft_tokens, draft.step_seconds)
+    planner = DraftLengthPlanner(num_draft_tokens, draft.step_seconds, draft.catch_up_seconds)
     tic = time.perf_counter()
     _prefill(model, prompt_cache, prompt[:-1])
     planner.observe_prefill(prompt.size - 1, time.perf_counter() - tic)

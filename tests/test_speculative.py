@@ -475,7 +475,7 @@ def simulate(planner: DraftLengthPlanner, steps: int, step_s: float, per_token_s
              draft_s: float, acceptance: float) -> list[int]:
     """Feed the planner the costs of a machine where a pass over n tokens costs
     step_s + per_token_s * (n - 1); drafts are accepted with the given rate (deterministic)."""
-    ks, credit = [], 0.0
+    ks, credit = [], 0.5
     planner.observe_prefill(64, 64 * per_token_s + step_s)
     for _ in range(steps):
         k = planner.choose(100)
@@ -517,7 +517,8 @@ def test_planner_counts_the_draft_catch_up_before_switching_on():
     def planner_after_some_passes():
         planner = DraftLengthPlanner("auto", draft_step=0.001)
         planner.observe_prefill(64, 0.05)
-        planner.observe(0, 0, 0, 0.0, 0.01, fed=0)  # a plain pass: 10 ms
+        for _ in range(2):
+            planner.observe(0, 0, 0, 0.0, 0.01, fed=0)  # plain passes: 10 ms
         planner.observe(4, 4, 4, 0.104, 0.012, fed=101)  # a catch-up of 100 tokens: 1 ms each
         return planner
 
