@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/mlxspec generate --prompt "Explain in two sentences why the sky is blue." --max-tokens 96
 
 test: install-dev
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=20
 
 lint: install-dev
 	$(BIN)/ruff check mlxspec cli tests bench

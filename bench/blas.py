@@ -1,8 +1,8 @@
 """Issue 6: MLX's CPU backend on its reference BLAS vs OpenBLAS (mlxspec.blas), side by side.
 
 Each BLAS choice runs in its own subprocess (the choice is made before ``mlx.core`` is imported):
-``MLXSPEC_BLAS=reference``, the default (OpenBLAS on all cores but one), and OpenBLAS on every
-core. Measured in each (with the 1-minute load average, since other
+``MLXSPEC_BLAS=reference``, the default (OpenBLAS on the cores not already busy, see
+``mlxspec.blas.default_threads``), and OpenBLAS on every core. Measured in each (with the 1-minute load average, since other
 processes on the machine skew every timing):
 
 - float32 matmul GFLOP/s (512^2, 1024^2) and memory bandwidth (large copy and sum, GB/s), the
@@ -46,7 +46,7 @@ SMOLLM2_135M = dict(
     tie_word_embeddings=True,
 )
 
-# Columns: name and environment. By default OpenBLAS runs on all cores but one
+# Columns: name and environment. By default OpenBLAS runs on the cores not already busy
 # (mlxspec.blas.default_threads); the last column gives it every core.
 COLUMNS = (
     ("reference", {"MLXSPEC_BLAS": "reference"}),

@@ -2,11 +2,12 @@
 side with mlx-lm's own affine quantization at the same bits.
 
     python bench/quantized.py [--models smollm2,gemma3] [--windows 4] [--json]
-                              [--no-quality] [--no-speed] [--no-kernels]
+                              [--methods mlx-lm,rtn,gptq,awq] [--no-quality] [--no-speed]
+                              [--no-kernels]
 
 - quality: for each model and (bits, group size) in 4/64, 4/128, 8/64: mlx-lm affine
   (``mlx_lm.utils.quantize_model``, float16 scales and biases as in an mlx-lm float16 model),
-  mlxspec RTN and mlxspec GPTQ; plus GPTQ and mlx-lm with the ``embed8`` recipe. Each row: bits per
+  mlxspec RTN, GPTQ and AWQ; plus the calibrated methods and mlx-lm with the ``embed8`` recipe. Each row: bits per
   weight, mean and p99 KL(reference || quantized) per token, same-top-1 agreement and perplexity
   on held-out windows of the built-in evaluation text (``mlxspec.eval.compare``). The reference is
   the float32 model converted from GGUF. SmolLM2's 576-wide layers cannot take group size 128, so
@@ -38,6 +39,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
+METHODS = ("mlx-lm", "rtn", "gptq", "awq")
 QUALITY_CASES = [(4, 64, None), (4, 128, None), (8, 64, None), (4, 64, "embed8")]
 SPEED_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -94,7 +96,8 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def quality(name: str, windows: int, calibration_windows: int) -> list[dict]:
+def quality(name: str, windows: int, calibration_windows: int,
+            methods=METHODS) -> list[dict]:
     from mlxspec.eval import builtin_windows, compare
     from mlxspec.load import load
     from mlxspec.quant import mixed
@@ -108,7 +111,7 @@ def quality(name: str, windows: int, calibration_windows: int) -> list[dict]:
     rows = []
     for bits, group_size, recipe_name in QUALITY_CASES:
         recipe = mixed.load_recipe(recipe_name) if recipe_name else None
-        for method in ("mlx-lm", "rtn", "gptq"):
+        for method in methods:
             if recipe_name and method == "rtn":
                 continue
             model, _ = load(spec)
@@ -254,6 +257,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="quality: the methods compared (comma-separated)")
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--no-kernels", action="store_true")
@@ -278,8 +283,9 @@ def main() -> None:
     if not args.no_speed:
         result["speed"] = {n: speed(n, args.repeats, args.max_tokens) for n in names}
     if not args.no_quality:
-        result["quality"] = [r for n in names for r in quality(n, args.windows,
-                                                               args.calibration_windows)]
+        methods = args.methods.split(",")
+        result["quality"] = [r for n in names
+                             for r in quality(n, args.windows, args.calibration_windows, methods)]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))
 

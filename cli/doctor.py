@@ -25,9 +25,10 @@ def system_report(measure: bool = True) -> dict:
         "blas": blas.blas_report(measure=measure),
     }
     try:
-        from mlxspec.quant import kernels
+        from mlxspec.quant import kernels, layers
 
         report["quantized_matmul"] = kernels.describe()
+        report["zero_point_layers"] = layers.describe()
     except ImportError as e:
         report["quantized_matmul"] = f"unavailable ({e})"
     try:

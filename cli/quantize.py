@@ -7,7 +7,12 @@ from pathlib import Path
 import click
 from mlxspec.cli.eval import gate_options
 
-from mlxspec.quant.quantize import DEFAULT_CALIBRATION_TOKENS, DEFAULT_CALIBRATION_WINDOWS
+from mlxspec.quant.quantize import (
+    CALIBRATED,
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_CALIBRATION_WINDOWS,
+    METHODS,
+)
 
 
 @click.command("quantize")
@@ -18,8 +23,10 @@ from mlxspec.quant.quantize import DEFAULT_CALIBRATION_TOKENS, DEFAULT_CALIBRATI
               help="Bits per weight: 4 or 8 (2 and 3 also work, with a large quality loss).")
 @click.option("--group-size", "-g", default=64, show_default=True, type=int,
               help="Weights sharing one scale and zero-point: 32, 64 or 128.")
-@click.option("--method", default="gptq", show_default=True, type=click.Choice(["rtn", "gptq"]),
-              help="rtn: round-to-nearest with a clipping search; gptq: calibrated, slower.")
+@click.option("--method", default="gptq", show_default=True, type=click.Choice(list(METHODS)),
+              help="rtn: round-to-nearest with a clipping search; gptq: calibrated (error "
+                   "feedback), slower; awq: calibrated (activation-aware scales folded into the "
+                   "norms).")
 @click.option("--format", "output_format", default="zp", show_default=True,
               type=click.Choice(["zp", "mlx"]),
               help="zp: mlxspec zero-point (loaded by mlxspec); mlx: standard mlx-lm affine "
@@ -35,13 +42,14 @@ from mlxspec.quant.quantize import DEFAULT_CALIBRATION_TOKENS, DEFAULT_CALIBRATI
 @click.option("--act-order", is_flag=True,
               help="GPTQ: quantize columns by decreasing activation (zp format only).")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
-              help="GPTQ calibration text (UTF-8; default: the built-in public-domain text).")
+              help="Calibration text for gptq/awq (UTF-8; default: the built-in public-domain "
+                   "text).")
 @click.option("--calibration-windows", "n_windows", default=DEFAULT_CALIBRATION_WINDOWS,
               show_default=True,
-              type=click.IntRange(min=1), help="GPTQ: number of calibration windows.")
+              type=click.IntRange(min=1), help="gptq/awq: number of calibration windows.")
 @click.option("--calibration-tokens", "window_tokens", default=DEFAULT_CALIBRATION_TOKENS,
               show_default=True,
-              type=click.IntRange(min=8), help="GPTQ: tokens per calibration window.")
+              type=click.IntRange(min=8), help="gptq/awq: tokens per calibration window.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 @click.option("--no-eval", is_flag=True,
               help="Skip the quality gate (evaluation against the source model).")
@@ -66,6 +74,7 @@ def command(model, out_dir, bits, group_size, method, output_format, recipe, gro
       mlxspec quantize --out smollm2-q4                     # 4-bit GPTQ, group size 64
       mlxspec quantize --out smollm2-q4 --mixed embed8      # head and embeddings at 8 bits
       mlxspec quantize --out smollm2-q8 --bits 8 --method rtn
+      mlxspec quantize --out smollm2-awq --method awq       # activation-aware scaling
       mlxspec quantize model.gguf --out model-mlx --format mlx   # for plain mlx_lm.load
       mlxspec quantize --out q4 -g 128 --group-fallback     # g128 where the width allows
       mlxspec quantize --out smollm2-q4 --upload-repo me/smollm2-q4   # gate, then upload
@@ -98,7 +107,7 @@ def command(model, out_dir, bits, group_size, method, output_format, recipe, gro
     nn_model, tokenizer = load(str(model_dir))
     extra = {"source_model": _source_name(model)}
     tokens = None
-    if method == "gptq":
+    if method in CALIBRATED:
         tokens, sha256 = calibration_windows(
             tokenizer, calibration, windows=n_windows, window_tokens=window_tokens
         )

@@ -22,8 +22,8 @@ Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one
                                 e.g. MKL's libmkl_rt.so.2 or a system libopenblas.so.0
 
 A BLAS already in the global scope (``LD_PRELOAD=libmkl_rt.so``) is left alone ("preloaded").
-OpenBLAS runs on all cores but one (:func:`default_threads`) unless ``OPENBLAS_NUM_THREADS`` is set. float16/bfloat16 matmuls and
-``quantized_matmul`` do not use BLAS in MLX, so only float32 (and float64/complex64) work speeds
+OpenBLAS runs on the cores other processes leave free (:func:`default_threads`) unless
+``OPENBLAS_NUM_THREADS`` is set. float16/bfloat16 matmuls and ``quantized_matmul`` do not use BLAS in MLX, so only float32 (and float64/complex64) work speeds
 up. macOS is untouched: MLX uses Accelerate there.
 """
 
@@ -114,14 +114,43 @@ def setup() -> None:
 
 
 def default_threads() -> int:
-    """OpenBLAS threads unless ``OPENBLAS_NUM_THREADS`` says otherwise: the available cores but one.
+    """OpenBLAS threads unless ``OPENBLAS_NUM_THREADS`` says otherwise: the available cores
+    that other processes are not using right now (at least 1).
 
-    OpenBLAS workers spin and synchronise on every call, so a worker that loses its core stalls
-    the whole matmul: on 2 cores with other processes running, 2 threads decoded 7-10x slower
-    than 1 (bench/blas.py). During generation the Python thread also needs a core, to build the
-    next step's graph while MLX's stream thread computes this one.
+    On an idle 2-core machine both cores decode SmolLM2 17% faster than one (9.8 vs 8.4 tok/s)
+    and prefill 40% faster (bench/blas.py). But OpenBLAS workers spin and synchronise on every
+    call, so a worker that loses its core to another process stalls the whole matmul: with other
+    processes running, 2 threads decoded 7-10x slower than 1. So the threads are sized, when
+    mlxspec is imported, to the cores left free by everything else.
     """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - round(busy_cores_elsewhere()))
+
+
+def busy_cores_elsewhere(interval: float = 0.05) -> float:
+    """How many cores other processes keep busy: CPU time over ``interval`` seconds from
+    ``/proc/stat`` minus this process's own; the 1-minute load average where /proc is missing
+    (that one lags, and counts this process too)."""
+
+    def sample() -> tuple[int, int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:  # utime and stime: fields 14 and 15
+            own = f.read().rsplit(")", 1)[1].split()
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        return busy, sum(ticks), int(own[11]) + int(own[12])
+
+    try:
+        busy0, total0, own0 = sample()
+        time.sleep(interval)
+        busy1, total1, own1 = sample()
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return 1.0  # nothing to go on: leave a core for the rest of the system
+    per_core = (total1 - total0) / (os.cpu_count() or 1)  # ticks each core had
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(per_core, 1)
 
 
 def _notice(message: str) -> None:

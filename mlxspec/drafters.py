@@ -148,6 +148,8 @@ class DraftModelDrafter(Drafter):
         self.cached: list[int] = []  # the tokens whose keys/values are in self.cache
 
     def propose(self, context, k, sampling, process=None) -> Draft:
+        if k == 0:
+            return Draft([])
         feed = self._sync(context)
         y = mx.array(feed, mx.uint32)
         while y.size > PREFILL_STEP:  # catch up on a long context in bounded chunks

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +215,7 @@ def test_openblas_is_the_default_and_matches_float64(tmp_path, home):
     assert "libscipy_openblas" in report["library"]
     assert report["config"].startswith("OpenBLAS")
     if not any(variable in os.environ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
-        assert report["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+        assert 1 <= report["threads"] <= len(os.sched_getaffinity(0))  # see below
     # MLX binds cblas_sgemm to the shim, and every product and factorization went through it:
     # 10 unbatched products + 3 + 6 batched matrices + 7 LAPACK routines (and their queries).
     assert report["resolved"] == report["shim"]
@@ -360,3 +361,44 @@ def test_greedy_tokens_of_real_model_equal_between_reference_and_openblas(smollm
     optimized = run_with_blas(code, None, home)
     assert len(optimized["tokens"]) == 12
     assert optimized["tokens"] == reference["tokens"]
+
+
+@pytest.mark.parametrize("busy, cores, threads", [(0.2, 2, 2), (0.7, 2, 1), (1.3, 2, 1),
+                                                  (6.0, 2, 1), (2.4, 8, 6), (0.0, 1, 1)])
+def test_default_threads_are_the_cores_left_free(monkeypatch, busy, cores, threads):
+    from mlxspec import blas
+
+    monkeypatch.setattr(blas, "busy_cores_elsewhere", lambda: busy)
+    monkeypatch.setattr(blas.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert blas.default_threads() == threads
+
+
+def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
+    import threading
+
+    from mlxspec import blas
+
+    if not Path("/proc/stat").exists():
+        pytest.skip("needs /proc (Linux)")
+
+    def spin(seconds):
+        end = time.time() + seconds
+        while time.time() < end:
+            pass
+
+    baseline = blas.busy_cores_elsewhere(interval=0.4)  # whatever else runs on this machine
+    spinner = threading.Thread(target=spin, args=(0.6,))  # this process busy: not counted
+    spinner.start()
+    alone = blas.busy_cores_elsewhere(interval=0.4)
+    spinner.join()
+    other = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                              "while time.time() - t < 3: pass\n"])
+    try:
+        time.sleep(0.5)  # past the interpreter's start-up
+        with_other = blas.busy_cores_elsewhere(interval=0.4)
+    finally:
+        other.kill()
+        other.wait()
+    assert alone < baseline + 0.5, (alone, baseline)
+    assert with_other > baseline + 0.5 or with_other > 0.9 * (os.cpu_count() or 1), (
+        with_other, baseline)

@@ -155,3 +155,20 @@ def test_chat_in_a_terminal_with_ctrl_c_and_ctrl_d(smollm2_dir, tmp_path):
         assert wait_for(lambda s: "EXITED-0" in s), screen()
     finally:
         tmux("kill-session", "-t", session)
+
+
+def test_doctor_reports_the_blas_and_the_quantized_paths(smollm2_dir):
+    result = run("doctor", "--no-measure", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    if sys.platform != "linux":
+        pytest.skip("the BLAS and fallback lines checked below are the Linux CPU build's")
+    assert report["metal_available"] is False
+    assert "MLX fallback" in report["quantized_matmul"] and "Metal is not available" in (
+        report["quantized_matmul"])
+    assert report["zero_point_layers"].startswith("zero-point layers on CPU")
+    assert "openblas" in json.dumps(report["blas"]).lower()
+    assert report["default_model"] == str(smollm2_dir) or Path(report["default_model"]).exists()
+    with_reference = subprocess.run([MLXSPEC, "doctor", "--no-measure"], capture_output=True,
+                                    text=True, env={**os.environ, "MLXSPEC_BLAS": "reference"})
+    assert with_reference.returncode == 0 and "reference" in with_reference.stdout.lower()

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
+from tiny_models import make_tiny_model
 
 from mlxspec.errors import (
     CorruptModelError,
@@ -17,14 +18,13 @@ from mlxspec.errors import (
     UnsafeCheckpointError,
 )
 from mlxspec.load import load, model_bytes, resolve_model_path
-from tests.tiny import make_tiny_model_dir
 
 load_module = importlib.import_module("mlxspec.load")  # the module, not the function
 
 
 @pytest.fixture
 def tiny_dir(tmp_path, smollm2_dir):
-    return make_tiny_model_dir(tmp_path / "tiny", tokenizer_dir=smollm2_dir)
+    return make_tiny_model(tmp_path / "tiny", tokenizer_dir=smollm2_dir, vocab_size=49152)
 
 
 def test_local_directory_gives_the_same_logits_as_mlx_lm(tiny_dir):

@@ -149,6 +149,26 @@ def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, tmp_path, 
     )
 
 
+@pytest.mark.slow
+def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, gemma3, tmp_path):
+    """Gemma-3 (``1 + w`` norms, sliding-window layers, 262k-token tied embedding) through the
+    whole path: AWQ scales folded into its norms, 8-bit zp saved, reloaded by mlxspec.load."""
+    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.load import load
+
+    out = tmp_path / "gemma-awq8"
+    result = quantize(str(gemma3_gguf), "--out", str(out), "--method", "awq", "--bits", "8",
+                      "--calibration-windows", "4", "--calibration-tokens", "128")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((out / "config.json").read_text())["quantization"]
+    assert record["method"] == "awq" and record["format"] == "zp" and record["bits"] == 8
+    model, _ = load(str(out))
+    assert layers.is_quantized(model)
+    reference, tokenizer = gemma3
+    quality = compare(model, reference, builtin_windows(tokenizer, windows=1, window_tokens=256))
+    assert quality["kl_mean"] < 0.02 and quality["top1_agreement"] > 95, quality
+
+
 def test_mixed_auto_measures_sensitivity_and_records_it(tiny_dir, tmp_path):
     out = tmp_path / "auto"
     result = quantize(str(tiny_dir), "--out", str(out), "--method", "rtn", "--group-size", "32",

@@ -162,8 +162,8 @@ def test_gptq_zeroes_dead_inputs_and_survives_a_rank_deficient_hessian():
 
 
 @pytest.mark.slow
-def test_gptq_beats_rtn_on_smollm2_at_4_bits_group_128(smollm2_dir, smollm2):
-    # The calibrated method must beat round-to-nearest at the same bits per weight. The
+def test_calibrated_methods_beat_rtn_on_smollm2_at_4_bits_group_128(smollm2_dir, smollm2):
+    # The calibrated methods must beat round-to-nearest at the same bits per weight. The
     # embedding/head stays float (the float-head recipe) so that both differ only in the decoder
     # linears; SmolLM2's 576-wide layers take group size 64 (--group-fallback), its 1536-wide
     # down projections 128.
@@ -175,7 +175,7 @@ def test_gptq_beats_rtn_on_smollm2_at_4_bits_group_128(smollm2_dir, smollm2):
     windows = builtin_windows(tokenizer, windows=2, window_tokens=256)
     calibration, _ = calibration_windows(tokenizer, windows=4, window_tokens=128)
     results = {}
-    for method in ("rtn", "gptq"):
+    for method in ("rtn", "gptq", "awq"):
         model, _ = load(str(smollm2_dir))
         _, record = quantize_model(
             model, bits=4, group_size=128, method=method, calibration_tokens=calibration,
@@ -183,10 +183,12 @@ def test_gptq_beats_rtn_on_smollm2_at_4_bits_group_128(smollm2_dir, smollm2):
         )
         results[method] = (compare(model, reference, windows), record["bits_per_weight"])
         del model
-    (rtn_result, rtn_bpw), (gptq_result, gptq_bpw) = results["rtn"], results["gptq"]
-    assert gptq_bpw == rtn_bpw
-    assert gptq_result["kl_mean"] < 0.9 * rtn_result["kl_mean"]
-    assert gptq_result["top1_agreement"] >= rtn_result["top1_agreement"]
+    rtn_result, rtn_bpw = results["rtn"]
+    for method in ("gptq", "awq"):
+        result, bpw = results[method]
+        assert bpw == rtn_bpw
+        assert result["kl_mean"] < 0.9 * rtn_result["kl_mean"], (method, result, rtn_result)
+        assert result["top1_agreement"] >= rtn_result["top1_agreement"], method
 
 
 def test_sensitivity_recipe_promotes_within_the_budget_and_restores_the_model(tmp_path):
@@ -218,3 +220,112 @@ def test_sensitivity_recipe_promotes_within_the_budget_and_restores_the_model(tm
     assert stored / sum(sizes.values()) <= 5.0
     _, record = quantize_model(model, bits=4, group_size=32, recipe=recipe)
     assert record["recipe"] == "sensitivity:5" and record["layers"]
+
+
+# -- AWQ -----------------------------------------------------------------------------------------
+
+
+def test_awq_scales_cut_the_output_error_when_a_few_inputs_dominate():
+    """Inputs with a few 20x channels (as in LLM activations): scaling those channels' weights up
+    before rounding lowers the output error against plain min-max RTN, and alpha = 0 (no
+    scaling) is on the grid, so the search can never do worse."""
+    from mlxspec.quant import awq
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2048, 128)).astype(np.float32)
+    x[:, [3, 40, 77]] *= 20
+    h = x.astype(np.float64).T @ x / len(x)
+    weights = [rng.standard_normal((96, 128)).astype(np.float32) for _ in range(2)]
+    s, alpha, ratio = awq.search_scales(weights, h, 4, 32)
+    assert s.shape == (128,) and np.all(s > 0) and alpha > 0
+    assert ratio < 0.8
+    # the reported ratio is the float64 output error on the calibration rows themselves
+    def error(w, w_hat):
+        return np.mean(np.sum((x.astype(np.float64) @ (w - w_hat).T) ** 2, axis=1))
+
+    with_s = sum(error(w, awq._dequantized(w * s, 4, 32) / s) for w in weights)
+    without = sum(error(w, awq._dequantized(w, 4, 32)) for w in weights)
+    np.testing.assert_allclose(with_s / without, ratio, rtol=1e-3)
+    flat = np.eye(128)  # no dominant inputs: nothing to gain, and no loss either
+    assert awq.search_scales(weights, flat, 4, 32)[2] <= 1.0
+    # The final quantizer agrees that the searched scales help; wild scales do not.
+    assert awq.scaling_helps(weights, h, s, 4, 32)
+    wild = rng.uniform(0.05, 20.0, 128).astype(np.float32)
+    assert not awq.scaling_helps(weights, flat, wild, 4, 32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_awq_folding_leaves_the_float_block_unchanged(arch):
+    """Norm weights divided by s (Gemma's ``1 + w`` norms too), up_proj rows divided by s, the
+    next linears' columns multiplied by s: the float block computes the same function."""
+    import importlib
+
+    from mlxspec.quant import awq
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = module.ModelArgs.from_dict({
+        "model_type": arch, "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": 64, "head_dim": 16, "rope_theta": 10000.0, "sliding_window": 8,
+        "query_pre_attn_scalar": 16,
+    })
+    mx.random.seed(0)
+    block = module.Model(args).layers[0]
+    for norm in awq_norms(block):  # random norm weights: folding must handle any values
+        norm.weight = mx.random.uniform(0.5, 1.5, norm.weight.shape)
+    x = mx.random.normal((2, 12, 64)) * 3
+    before = block(x, None, None)
+    rng = np.random.default_rng(1)
+    s_attn, s_mlp, s_down = (rng.uniform(0.3, 3.0, n).astype(np.float32) for n in (64, 64, 96))
+    mlp_norm = getattr(block, "pre_feedforward_layernorm", None) or block.post_attention_layernorm
+    assert awq.norm_offset(block.input_layernorm) == (1.0 if arch == "gemma3_text" else 0.0)
+    awq.fold_into_norm(block.input_layernorm, s_attn)
+    for linear in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):
+        awq.scale_columns(linear, s_attn)
+    awq.fold_into_norm(mlp_norm, s_mlp)
+    awq.scale_columns(block.mlp.gate_proj, s_mlp)
+    awq.scale_columns(block.mlp.up_proj, s_mlp)
+    awq.fold_into_rows(block.mlp.up_proj, s_down)
+    awq.scale_columns(block.mlp.down_proj, s_down)
+    after = block(x, None, None)
+    np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-4, atol=1e-4)
+
+
+def awq_norms(block):
+    return [m for name, m in block.named_modules() if name.endswith("norm")]
+
+
+def test_awq_quantizes_a_tiny_model_close_to_its_float_outputs(tmp_path):
+    from tiny_models import make_tiny_model
+
+    from mlxspec.load import load
+    from mlxspec.quant.layers import ZeroPointLinear
+    from mlxspec.quant.quantize import quantize_model
+
+    model, _ = load(str(make_tiny_model(tmp_path / "tiny")))
+    tokens = mx.array([list(range(i, i + 48)) for i in range(0, 192, 48)])
+    reference = model(tokens)
+    _, record = quantize_model(model, bits=8, group_size=32, method="awq",
+                               calibration_tokens=tokens.tolist())
+    assert record["method"] == "awq"
+    assert all(isinstance(m, ZeroPointLinear) for p, m in model.named_modules()
+               if p.endswith(("q_proj", "o_proj", "down_proj")))
+    got = model(tokens)
+    rel = float(mx.linalg.norm(got - reference) / mx.linalg.norm(reference))
+    assert rel < 0.02, rel
+
+
+def test_awq_refuses_a_block_whose_inputs_it_cannot_rescale(tmp_path, monkeypatch):
+    """If folding would change the float function (here: the scales are not compensated), the
+    method stops with a one-line error instead of writing a silently wrong model."""
+    from tiny_models import make_tiny_model
+
+    from mlxspec.load import load
+    from mlxspec.quant import awq
+    from mlxspec.quant.quantize import quantize_model
+
+    model, _ = load(str(make_tiny_model(tmp_path / "tiny")))
+    monkeypatch.setattr(awq, "scale_columns", lambda linear, s: None)  # fold without compensating
+    tokens = [list(range(i, i + 48)) for i in range(0, 192, 48)]
+    with pytest.raises(QuantizationError, match="use --method gptq"):
+        quantize_model(model, bits=4, group_size=32, method="awq", calibration_tokens=tokens)

@@ -365,13 +365,14 @@ def test_speculative_sampling_matches_plain_sampling_for_the_first_two_tokens():
     assert chi_square_pvalue(observed, np.append(wrong[cells], wrong[~cells].sum()) * runs) < ALPHA
 
 
-def record_proposals(drafter) -> list[tuple[int, list[int]]]:
-    """Make ``drafter`` record (context length, proposed tokens) of every proposal."""
+def record_proposals(drafter) -> list[tuple[int, list[int], np.ndarray | None]]:
+    """Make ``drafter`` record (context length, proposed tokens, their q) of every proposal."""
     proposals, propose = [], drafter.propose
 
     def recording(context, k, sampling, process):
         proposal = propose(context, k, sampling, process)
-        proposals.append((len(context), proposal.tokens))
+        q = None if proposal.probs is None else np.array(proposal.probs, np.float64)
+        proposals.append((len(context), proposal.tokens, q))
         return proposal
 
     drafter.propose = recording
@@ -385,11 +386,14 @@ def teacher_forced_probs(model, ids: list[int], temp: float = 1.0) -> np.ndarray
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0):
+def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0,
+                              teacher_forced_draft=True):
     """Generate with k = 1 and compare each trial with the two models' distributions there.
 
+    p is the target's, teacher-forced in float64; q is the draft's, teacher-forced too or (when
+    the draft is slow to run over many tokens) the q the drafter reported with its proposal.
     Returns (observed acceptances, sum of beta = sum_x min(p, q), sum of beta (1 - beta), sum of
-    sum_x p q, trials) over all verified drafts, p and q teacher-forced in float64.
+    sum_x p q, trials) over all verified drafts.
     """
     observed = expected = variance = naive = trials = 0.0
     for prompt in prompts:
@@ -399,13 +403,15 @@ def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0)
                           sampling=SamplingParams(temp=temp))
         ids = prompt + out
         p = teacher_forced_probs(model, ids, temp)
-        q = teacher_forced_probs(draft_model, ids, temp)
-        for start, tokens in proposals:  # k = 1: each proposal is one trial
+        if teacher_forced_draft:
+            q = teacher_forced_probs(draft_model, ids, temp)
+        for start, tokens, reported in proposals:  # k = 1: each proposal is one trial
             if not tokens or start >= len(ids):
                 continue
-            beta = np.minimum(p[start - 1], q[start - 1]).sum()  # row predicting `start`
+            q_row = q[start - 1] if teacher_forced_draft else reported[0]
+            beta = np.minimum(p[start - 1], q_row).sum()  # p's row predicting `start`
             expected, variance = expected + beta, variance + beta * (1 - beta)
-            naive += (p[start - 1] * q[start - 1]).sum()
+            naive += (p[start - 1] * q_row).sum()
             observed += ids[start] == tokens[0]  # a rejected draft is never the residual
             trials += 1
     return observed, expected, variance, naive, trials
@@ -555,28 +561,27 @@ def smol(smollm2):
 
 @pytest.fixture(scope="module")
 def smol_plain(smol):
-    """Plain greedy decoding of each prompt (the reference), 200 tokens."""
+    """Plain greedy decoding of two prompts (the reference), 200 tokens."""
     model, tokenizer, _, _ = smol
-    return {text: plain_tokens(model, chat_ids(tokenizer, text), 200) for text in PROMPTS}
+    return {text: plain_tokens(model, chat_ids(tokenizer, text), 200) for text in PROMPTS[:2]}
 
 
 @pytest.mark.slow
 def test_greedy_speculative_equals_plain_greedy_with_a_4bit_draft(smol, smol_plain):
     model, tokenizer, q4, _ = smol
+    stats = SpecStats()
     drafter = make_drafter(tokenizer, model, draft_model=q4, draft_tokenizer=tokenizer)
-    for text in PROMPTS[:2]:  # one drafter for both prompts: its cache re-syncs by common prefix
-        stats = SpecStats()
-        got = spec_tokens(model, drafter, chat_ids(tokenizer, text), 200, 2, stats=stats)
-        assert got == smol_plain[text], text
-        assert stats.accepted_lengths[-1] > 0 and len(stats.accepted_lengths) == 3  # all kept
-        assert stats.accepted_lengths[0] > 0  # and all rejected
+    got = spec_tokens(model, drafter, chat_ids(tokenizer, PROMPTS[0]), 200, 2, stats=stats)
+    assert got == smol_plain[PROMPTS[0]]
+    assert stats.accepted_lengths[-1] > 0 and len(stats.accepted_lengths) == 3  # all kept
+    assert stats.accepted_lengths[0] > 0  # and all rejected
 
 
 @pytest.mark.slow
 def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_plain):
     model, tokenizer, _, _ = smol
     drafter, stats = PromptLookupDrafter(), SpecStats()
-    for text in PROMPTS:
+    for text in PROMPTS[:2]:  # one drafter for both: it re-indexes when the context changes
         got = spec_tokens(model, drafter, chat_ids(tokenizer, text), 200, 4, stats=stats)
         assert got == smol_plain[text], text
     assert stats.drafted > stats.accepted > 0  # acceptances and rollbacks
@@ -586,22 +591,23 @@ def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_pl
 def test_greedy_speculative_equals_plain_greedy_with_a_bad_draft(smol, smol_plain):
     model, tokenizer, _, bad = smol
     stats = SpecStats()
-    got = spec_tokens(model, drafter_for(model, bad), chat_ids(tokenizer, PROMPTS[2]), 200, 3,
+    got = spec_tokens(model, drafter_for(model, bad), chat_ids(tokenizer, PROMPTS[1]), 200, 2,
                       stats=stats)
-    assert got == smol_plain[PROMPTS[2]]
+    assert got == smol_plain[PROMPTS[1]]
     assert stats.drafted > stats.accepted  # rejections were rolled back
 
 
 @pytest.mark.slow
 def test_greedy_with_a_small_rotating_cache_equals_plain_past_the_window(smol):
-    """max_kv_size = 64 < prompt + generation: both caches slide, roll back, and stay exact."""
-    model, tokenizer, _, bad = smol
-    prompt = chat_ids(tokenizer, PROMPTS[1])
+    """max_kv_size = 64 < prompt + generation: the sliding cache rolls back and stays exact."""
+    model, tokenizer, _, _ = smol
+    prompt = chat_ids(tokenizer, PROMPTS[2])
     expected = plain_tokens(model, prompt, 120, cache=make_cache(model, 64))
     assert expected != plain_tokens(model, prompt, 120)  # the window changes the output
-    drafter = drafter_for(model, bad, max_kv_size=64)
-    cache = make_cache(model, 64)
-    assert spec_tokens(model, drafter, prompt, 120, 3, cache=cache) == expected
+    cache, stats = make_cache(model, 64), SpecStats()
+    got = spec_tokens(model, PromptLookupDrafter(), prompt, 120, 4, cache=cache, stats=stats)
+    assert got == expected
+    assert stats.drafted > stats.accepted > 0
     assert cache[0].offset == len(prompt) + 120 - 1 and type(cache[0]) is RotatingKVCache
 
 
@@ -610,24 +616,53 @@ def test_a_model_drafting_for_itself_at_temperature_1_is_accepted(smol):
     model, tokenizer, _, _ = smol
     stats = SpecStats()
     mx.random.seed(0)
-    spec_tokens(model, drafter_for(model, model), chat_ids(tokenizer, PROMPTS[0]), 48, 4,
+    spec_tokens(model, drafter_for(model, model), chat_ids(tokenizer, PROMPTS[0]), 40, 4,
                 sampling=SamplingParams(temp=1.0), stats=stats)
-    assert stats.drafted >= 36 and stats.acceptance_rate >= 0.99
+    assert stats.drafted >= 28 and stats.acceptance_rate >= 0.99
+
+
+@pytest.mark.slow
+def test_verify_accepts_a_4bit_draft_within_5_percent_of_sum_min_p_q(smol):
+    """The verifier on the two real models' distributions (SmolLM2 and its 4-bit copy, temperature
+    1, teacher-forced along the target's own greedy answer): 200 drafts sampled from q at each of
+    ~100 positions. Acceptance is within 5% of sum_x min(p, q) (4 standard deviations are ~1%
+    here) and far from mlx-lm's sum_x p q. The end-to-end test below checks the same in
+    generation, with fewer trials."""
+    model, tokenizer, q4, _ = smol
+    prompt = chat_ids(tokenizer, PROMPTS[1])
+    ids = prompt + plain_tokens(model, prompt, 100)
+    positions = slice(len(prompt) - 1, len(ids) - 1)  # the rows predicting the answer's tokens
+    p_all = mx.softmax(model(mx.array([ids]))[0, positions].astype(mx.float32), axis=-1)
+    q_all = mx.softmax(q4(mx.array([ids]))[0, positions].astype(mx.float32), axis=-1)
+    draws = 200
+    mx.random.seed(0)
+    observed = 0
+    for p, q in zip(p_all, q_all, strict=True):
+        drafts = mx.random.categorical(mx.log(q), num_samples=draws)[:, None]  # (draws, 1)
+        p_rows = mx.broadcast_to(p, (draws, 2, p.shape[-1]))  # k = 1: the draft row and the bonus
+        accepted, _ = verify_sampling(p_rows, mx.broadcast_to(q, (draws, 1, q.shape[-1])), drafts)
+        observed += int(accepted.sum())
+    p64, q64 = np.array(p_all, np.float64), np.array(q_all, np.float64)
+    beta = np.minimum(p64, q64).sum(axis=-1)
+    expected = draws * beta.sum()
+    sigma = np.sqrt(draws * (beta * (1 - beta)).sum())
+    assert abs(observed - expected) <= 4 * sigma, (observed, expected, sigma)
+    assert abs(observed - expected) <= 0.05 * expected
+    assert draws * (p64 * q64).sum() < 0.8 * expected  # what comparing two samples would accept
 
 
 @pytest.mark.slow
 def test_acceptance_with_a_4bit_draft_is_sum_of_min_p_q(smol):
     """SmolLM2 and its 4-bit copy at temperature 1: the observed acceptances match the sum over
-    the verified drafts of sum_x min(p, q) within 4 standard deviations (~120 trials: about 6%;
-    the tiny-model test above checks 5% with more trials), far above sum_x p q."""
+    the verified drafts of sum_x min(p, q) within 4 standard deviations (~90 trials, so about 25%;
+    the tiny-model test above checks 5% with more trials), far above sum_x p q (about 0.4x)."""
     model, tokenizer, q4, _ = smol
     mx.random.seed(0)
-    prompts = [chat_ids(tokenizer, text) for text in PROMPTS[:2]]
-    observed, expected, variance, naive, trials = acceptance_against_theory(model, q4, prompts,
-                                                                            100)
-    assert trials >= 100
+    observed, expected, variance, naive, trials = acceptance_against_theory(
+        model, q4, [chat_ids(tokenizer, PROMPTS[0])], 150, teacher_forced_draft=False)
+    assert trials >= 60
     assert abs(observed - expected) <= 4 * np.sqrt(variance), (observed, expected, trials)
-    assert naive < 0.6 * expected
+    assert naive < 0.6 * expected and observed > naive + 4 * np.sqrt(variance)
 
 
 @pytest.mark.slow

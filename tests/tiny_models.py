@@ -7,6 +7,7 @@ second, so evaluation and Hub tests need neither the default model nor the netwo
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,8 +71,11 @@ def save_byte_tokenizer(path: Path) -> None:
     )
 
 
-def make_tiny_model(path: Path, seed: int = 0, **config_overrides) -> Path:
-    """Write a random tiny llama model (float32) with the byte tokenizer to ``path``."""
+def make_tiny_model(
+    path: Path, seed: int = 0, tokenizer_dir: Path | None = None, **config_overrides
+) -> Path:
+    """Write a random tiny llama model (float32) to ``path`` with the byte tokenizer, or with the
+    tokenizer files of ``tokenizer_dir`` (then pass its ``vocab_size``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**config_overrides)
@@ -82,7 +86,12 @@ def make_tiny_model(path: Path, seed: int = 0, **config_overrides) -> Path:
     mx.eval(model.parameters())
     save_model(path, model, donate_model=False)
     save_config(config, path / "config.json")
-    save_byte_tokenizer(path)
+    if tokenizer_dir is None:
+        save_byte_tokenizer(path)
+        return path
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
     return path
 
 

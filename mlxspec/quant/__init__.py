@@ -1,5 +1,5 @@
 """Zero-point weight quantization: the format (``format``), the kernels and their fallback
-(``kernels``), the quantizers (``rtn``, ``gptq``), mixed precision (``mixed``), the layers
+(``kernels``), the quantizers (``rtn``, ``gptq``, ``awq``), mixed precision (``mixed``), the layers
 (``layers``) and whole-model quantization (``quantize``):
 
     from mlxspec.quant import quantize_model, save_quantized

@@ -17,6 +17,9 @@ Methods:
   are quantized, and the *quantized* block's outputs become the next block's inputs. Memory holds
   one block's activations and Hessians, never the whole model's. Embeddings and an untied
   ``lm_head`` use ``rtn``.
+- ``awq``: the same block-by-block walk; each group of linears sharing an input gets
+  activation-aware scales folded into the norm or linear producing that input, then
+  importance-weighted ``rtn`` (:mod:`mlxspec.quant.awq`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxspec.errors import OutputExistsError, QuantizationError
-from mlxspec.quant import format, gptq, rtn
+from mlxspec.quant import awq, format, gptq, rtn
 from mlxspec.quant.layers import (
     FORMAT_NAME,
     replace_modules,
@@ -43,7 +47,8 @@ from mlxspec.quant.layers import (
 )
 from mlxspec.quant.mixed import LayerSpec, load_recipe, plan_layers, quantizable_layers
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
+CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through the model
 FORMATS = (FORMAT_NAME, "mlx")
 DEFAULT_CALIBRATION_WINDOWS = 32
 DEFAULT_CALIBRATION_TOKENS = 256  # tokens per calibration window
@@ -155,21 +160,28 @@ def _block_calls(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list]:
 
 
 class _SharedInputs:
-    """The inputs seen during one block call, so that linears fed the same array (q/k/v,
-    gate/up) share one Hessian instead of accumulating three identical ones."""
+    """The arrays seen during one block call: linears fed the same array (q/k/v, gate/up) share
+    one Hessian instead of accumulating identical ones, and remember which norm produced it."""
 
     def __init__(self):
         self.seen: dict[int, tuple[mx.array, gptq.Hessian]] = {}
+        self.produced: dict[int, tuple[mx.array, str]] = {}  # a norm's output -> the norm's name
+
+    def clear(self) -> None:
+        self.seen.clear()
+        self.produced.clear()
 
 
 class _HessianRecorder(nn.Module):
-    """Wraps a linear layer; adds each input to the layer's (possibly shared) Hessian."""
+    """Wraps a linear layer; adds each input to the layer's (possibly shared) Hessian and notes
+    the norm (if any) that produced the input."""
 
     def __init__(self, linear: nn.Module, shared: _SharedInputs):
         super().__init__()
         self.linear = linear
         self.shared = shared
         self.hessian: gptq.Hessian | None = None
+        self.source: str | None = None
 
     def __call__(self, x):
         seen = self.shared.seen.get(id(x))
@@ -179,13 +191,119 @@ class _HessianRecorder(nn.Module):
             self.hessian = self.hessian or gptq.Hessian(x.shape[-1])
             self.hessian.add(x)
             self.shared.seen[id(x)] = (x, self.hessian)
+        produced = self.shared.produced.get(id(x))
+        self.source = produced[1] if produced is not None and produced[0] is x else None
         return self.linear(x)
 
 
-def _gptq_blocks(model, plan, calibration: mx.array, *, act_order, damp, grid, advance):
-    """Quantize every planned linear inside the decoder blocks with GPTQ, block by block."""
+class _OutputRecorder(nn.Module):
+    """Wraps a norm; remembers the arrays it returns (AWQ folds scales into their producer)."""
+
+    def __init__(self, norm: nn.Module, name: str, shared: _SharedInputs):
+        super().__init__()
+        self.norm, self.name, self.shared = norm, name, shared
+
+    def __call__(self, x):
+        y = self.norm(x)
+        self.shared.produced[id(y)] = (y, self.name)
+        return y
+
+
+def _norms(block: nn.Module) -> dict[str, nn.Module]:
+    """The block's normalisation layers (a 1-D ``weight`` and "norm" in the class name)."""
+    return {
+        name: m for name, m in block.named_modules()
+        if "norm" in type(m).__name__.lower() and "weight" in m and m.weight.ndim == 1
+    }
+
+
+def _record_block(block, targets, hidden, args, kwargs, track_norms: bool
+                  ) -> dict[str, _HessianRecorder]:
+    """Run ``hidden`` through ``block`` and return a Hessian recorder per target linear (which
+    also names the norm that produced its input, with ``track_norms``)."""
+    shared = _SharedInputs()
+    recorders = {name: _HessianRecorder(m, shared) for name, m in targets.items()}
+    norms = _norms(block) if track_norms else {}
+    replace_modules(block, {**recorders,
+                            **{n: _OutputRecorder(m, n, shared) for n, m in norms.items()}})
+    try:
+        for x in hidden:
+            mx.eval(block(x, *args, **kwargs))
+            shared.clear()
+    finally:
+        replace_modules(block, {**targets, **norms})
+    return recorders
+
+
+def _gptq_block(block, prefix, targets, recorders, plan, *, act_order, damp, grid, **_):
+    quantized = {}
+    for name, module in targets.items():
+        spec = plan[f"{prefix}.{name}"]
+        q, scales, zeros, perm = gptq.quantize(
+            np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(),
+            spec.bits, spec.group_size, damp=damp, act_order=act_order, grid=grid,
+        )
+        quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                          group_size=spec.group_size, perm=perm)
+    return quantized
+
+
+def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, **_):
+    """Search and fold AWQ scales for each group of linears sharing an input, then quantize
+    with importance-weighted RTN (see :mod:`mlxspec.quant.awq`)."""
+    modules = dict(block.named_modules())
+    groups: dict[int, list[str]] = {}
+    for name in targets:
+        groups.setdefault(id(recorders[name].hessian), []).append(name)
+    x, args, kwargs = check
+    before = block(x, *args, **kwargs)
+    importance = {}  # each target's input energy per column, after the input is divided by s
+    for names in groups.values():
+        h = recorders[names[0]].hessian.matrix()
+        source, fold = recorders[names[0]].source, None
+        if source is not None:
+            fold = partial(awq.fold_into_norm, modules[source])
+        elif len(names) == 1 and names[0].endswith("down_proj"):
+            up = modules.get(names[0][: -len("down_proj")] + "up_proj")
+            fold = None if up is None else partial(awq.fold_into_rows, up)
+        if fold is None:
+            importance.update({n: np.diag(h) for n in names})
+            continue
+        specs = [plan[f"{prefix}.{n}"] for n in names]
+        weights = [np.array(targets[n].weight.astype(mx.float32)) for n in names]
+        bits, group_size = min(sp.bits for sp in specs), max(sp.group_size for sp in specs)
+        s, _, _ = awq.search_scales(weights, h, bits, group_size)
+        if not awq.scaling_helps(weights, h, s, bits, group_size, grid):
+            importance.update({n: np.diag(h) for n in names})
+            continue
+        fold(s)
+        for n in names:
+            awq.scale_columns(targets[n], s)
+            importance[n] = np.diag(h) / s.astype(np.float64) ** 2
+    after = block(x, *args, **kwargs)
+    drift = (mx.linalg.norm((after - before).astype(mx.float32))
+             / mx.linalg.norm(before.astype(mx.float32))).item()
+    if not drift < 1e-2:
+        raise QuantizationError(
+            f"AWQ scaling changed the float outputs of {prefix} (relative {drift:.2g}): this "
+            "architecture is not supported by --method awq; use --method gptq"
+        )
+    quantized = {}
+    for name, module in targets.items():
+        spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
+        q, scales, zeros = rtn.quantize(w, spec.bits, spec.group_size, grid=grid,
+                                        importance=importance[name].astype(np.float32))
+        quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                          group_size=spec.group_size)
+    return quantized
+
+
+def _calibrated_blocks(model, plan, calibration: mx.array, quantize_block, *, advance, **options):
+    """Quantize every planned linear inside the decoder blocks, block by block, with
+    ``quantize_block`` (:func:`_gptq_block` or :func:`_awq_block`) given each linear's Hessian."""
     if not isinstance(getattr(model, "layers", None), list):
-        raise QuantizationError("GPTQ needs an mlx-lm model with decoder blocks (model.layers)")
+        raise QuantizationError("calibrated methods need an mlx-lm model with decoder blocks "
+                                "(model.layers): use --method rtn")
     paths = {id(m): p for p, m in model.named_modules()}
     chunks = [calibration[i : i + CALIBRATION_BATCH]
               for i in range(0, calibration.shape[0], CALIBRATION_BATCH)]
@@ -202,24 +320,14 @@ def _gptq_blocks(model, plan, calibration: mx.array, *, act_order, damp, grid, a
             name: module for name, module in block.named_modules()
             if plan.get(f"{prefix}.{name}") is not None and isinstance(module, nn.Linear)
         }
-        shared = _SharedInputs()
-        recorders = {name: _HessianRecorder(m, shared) for name, m in targets.items()}
-        replace_modules(block, recorders)
-        for x in hidden:
-            mx.eval(block(x, *args, **kwargs))
-            shared.seen.clear()
-        quantized = {}
-        for name, module in targets.items():
-            spec = plan[f"{prefix}.{name}"]
-            q, scales, zeros, perm = gptq.quantize(
-                np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(), spec.bits,
-                spec.group_size, damp=damp, act_order=act_order, grid=grid,
-            )
-            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                              group_size=spec.group_size, perm=perm)
+        recorders = _record_block(block, targets, hidden, args, kwargs,
+                                  track_norms=quantize_block is _awq_block)
+        quantized = quantize_block(block, prefix, targets, recorders, plan,
+                                   check=(hidden[0], args, kwargs), **options)
+        replace_modules(block, quantized)
+        for name in quantized:
             done.add(f"{prefix}.{name}")
             advance()
-        replace_modules(block, quantized)
         hidden = [block(x, *args, **kwargs) for x in hidden]
         mx.eval(hidden)
     return done
@@ -244,8 +352,8 @@ def quantize_model(
     Args:
         model: an unquantized mlx-lm model.
         bits, group_size: defaults for every layer (see :mod:`mlxspec.quant.format`).
-        method: ``"rtn"`` or ``"gptq"``.
-        calibration_tokens: for ``gptq``: token windows, ``(n, T)`` ints (list of lists or mx).
+        method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
+        calibration_tokens: for ``gptq`` and ``awq``: token windows, ``(n, T)`` ints (list of lists or mx).
         recipe: a recipe dict, or a name/path for :func:`load_recipe`.
         act_order: GPTQ visits columns by decreasing activation (stored with ``perm``; zp only).
         group_fallback: layers whose input size ``group_size`` does not divide use the largest
@@ -259,15 +367,15 @@ def quantize_model(
         ``layers``, ``bits_per_weight``, ...).
     """
     if method not in METHODS:
-        raise QuantizationError(f"unknown method {method!r}: choose {' or '.join(METHODS)}")
+        raise QuantizationError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     format.check_spec(bits, group_size, group_size)
     plan = plan_layers(model, bits, group_size, recipe=recipe, group_fallback=group_fallback)
     calibration = None
-    if method == "gptq":
+    if method in CALIBRATED:
         if calibration_tokens is None:
-            raise QuantizationError("GPTQ needs calibration_tokens (see calibration_windows)")
+            raise QuantizationError(f"{method} needs calibration_tokens (see calibration_windows)")
         calibration = mx.array(calibration_tokens)
         if calibration.ndim != 2 or calibration.shape[0] < 1:
             raise QuantizationError("calibration_tokens must be (windows, tokens) token ids")
@@ -276,8 +384,9 @@ def quantize_model(
     with _progress(len(todo), progress, f"quantizing ({method}, {bits}-bit)") as advance:
         done = set()
         if calibration is not None:
-            done = _gptq_blocks(model, plan, calibration, act_order=act_order, damp=damp,
-                                grid=grid, advance=advance)
+            block_method = _gptq_block if method == "gptq" else _awq_block
+            done = _calibrated_blocks(model, plan, calibration, block_method, advance=advance,
+                                      act_order=act_order, damp=damp, grid=grid)
         for path in todo:
             if path not in done:
                 replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid)})

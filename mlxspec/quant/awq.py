@@ -1,0 +1,147 @@
+"""AWQ: activation-aware per-channel scaling before round-to-nearest (Lin et al., 2023, "AWQ:
+Activation-aware Weight Quantization for LLM Compression and Acceleration").
+
+A few input channels carry much larger activations than the rest; their weights matter more.
+Scaling input channel ``j`` of a linear by ``s_j > 1`` (and the layer's input by ``1 / s_j``)
+leaves the float function unchanged but gives those weights finer quantization steps relative to
+their group. The ``1 / s`` is folded into the op that produces the input, so nothing is added at
+inference time:
+
+- an RMSNorm feeding q/k/v (or gate/up): its weight is divided by ``s`` (all the linears reading
+  that norm's output share one ``s``); a Gemma-style ``1 + weight`` norm is handled;
+- ``up_proj`` feeding ``down_proj`` through ``act(gate) * up``: up's output rows are divided.
+
+Other linears (e.g. ``o_proj``, whose input is the attention output) are not scaled. For each
+group of linears the scales are ``s = a ** alpha`` with ``a`` the RMS of each input channel over
+the calibration tokens (``sqrt(diag H)``, H = ``X.T X / rows``), normalised to geometric mean 1,
+and ``alpha`` in ``[0, 1)`` is chosen on a grid to minimise the output error of the group,
+
+    sum over the group's layers of  tr(dW H dW.T),   dW = W - deq(rtn(W * s)) / s,
+
+so ``alpha = 0`` (plain RTN) is always a candidate. The search rounds min-max; the chosen scales
+are kept only if they still lower that error with the final quantizer (:func:`scaling_helps`).
+The quantized weights then come from
+:func:`mlxspec.quant.rtn.quantize` with the clipping search weighted by each column's activation
+energy (``diag H / s**2``). Folding is checked: the float block must give the same outputs after
+it, else quantizing stops with an error naming the block.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxspec.errors import QuantizationError
+from mlxspec.quant import rtn
+
+ALPHAS = np.arange(20) / 20  # the grid of exponents searched (as AutoAWQ)
+SEARCH_ROWS = 512  # output rows per layer that the search scores (evenly spaced; all if fewer)
+
+
+def _dequantized(w: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """Round-to-nearest (min-max; the clipping search comes after) and back, float32."""
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, -1, group_size)
+    s, z = rtn.find_params(groups, bits, grid=1)
+    q = rtn.quantize_with(groups, s, z, bits)
+    return (s[..., None] * (q - z[..., None])).reshape(out_features, in_features)
+
+
+def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float:
+    """``tr((w - w_hat) H (w - w_hat).T)``: the layer's mean squared output error per token."""
+    d = (w - w_hat).astype(np.float32)
+    return float(np.sum((d @ hessian.astype(np.float32, copy=False)) * d))
+
+
+def search_scales(
+    weights: list[np.ndarray], hessian: np.ndarray, bits: int, group_size: int
+) -> tuple[np.ndarray, float, float]:
+    """The per-input-channel scales for linears sharing one input.
+
+    Args:
+        weights: float32 ``(out_i, in)`` matrices of the linears reading the same input.
+        hessian: float64 ``(in, in)``, ``X.T X / rows`` of that input.
+        bits, group_size: the quantization the scales are searched for.
+
+    Returns:
+        ``(s, alpha, error ratio)``: float32 ``(in,)`` scales (multiply the weights' columns,
+        divide the input), the chosen exponent, and the group's output error with ``s`` relative
+        to plain RTN (``<= 1``), scored on at most ``SEARCH_ROWS`` rows of each matrix.
+    """
+    # Rows are independent terms of the error: a strided subset ranks the alphas as well, faster.
+    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+    hessian32 = hessian.astype(np.float32)
+    rms = np.sqrt(np.maximum(np.diag(hessian), 0)).astype(np.float32)
+    rms = np.maximum(rms, rms.max() * 1e-4 + 1e-12)  # dead channels: keep scales finite
+    errors = []
+    for alpha in ALPHAS:
+        s = rms**alpha
+        s = s / np.sqrt(s.max() * s.min())
+        err = sum(
+            output_error(w, _dequantized(w * s, bits, group_size) / s, hessian32) for w in weights
+        )
+        errors.append((err, alpha, s))
+    best = min(errors, key=lambda e: e[0])
+    return best[2].astype(np.float32), float(best[1]), best[0] / max(errors[0][0], 1e-30)
+
+
+def scaling_helps(
+    weights: list[np.ndarray], hessian: np.ndarray, s: np.ndarray, bits: int, group_size: int,
+    grid: int = rtn.DEFAULT_GRID,
+) -> bool:
+    """Whether ``s`` lowers the group's output error once the final quantizer (the clipping
+    search, importance-weighted) is used: the search scores min-max rounding, so this check keeps
+    AWQ from ever doing worse than plain RTN on the same objective."""
+    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+    hessian32 = hessian.astype(np.float32)
+    energy = np.diag(hessian).astype(np.float32)
+
+    def error(scale: np.ndarray) -> float:
+        total = 0.0
+        for w in weights:
+            q, scales, zeros = rtn.quantize(w * scale, bits, group_size, grid=grid,
+                                            importance=energy / scale**2)
+            groups = q.reshape(q.shape[0], -1, group_size).astype(np.float32) - zeros[..., None]
+            w_hat = (groups * scales.astype(np.float32)[..., None]).reshape(w.shape) / scale
+            total += output_error(w, w_hat, hessian32)
+        return total
+
+    return error(s) < error(np.ones_like(s))
+
+
+def norm_offset(norm: nn.Module) -> float:
+    """``c`` such that the norm multiplies by ``weight + c`` (0 for RMSNorm, 1 for Gemma's)."""
+    hidden = norm.weight.shape[0]
+    y = norm(mx.ones((1, hidden), mx.float32)).astype(mx.float32)[0]  # rms 1: y = w_eff
+    eps = float(getattr(norm, "eps", 0.0))
+    effective = np.array(y, np.float64) * np.sqrt(1 + eps)
+    offsets = effective - np.array(norm.weight.astype(mx.float32), np.float64)
+    c = float(np.round(np.median(offsets)))
+    if np.max(np.abs(offsets - c)) > 1e-2 * (1 + np.max(np.abs(effective))):
+        raise QuantizationError(f"{type(norm).__name__} is not a scaled RMSNorm: use --method gptq")
+    return c
+
+
+def fold_into_norm(norm: nn.Module, s: np.ndarray) -> None:
+    """Divide the norm's effective weight (and bias, if any) by ``s`` in place."""
+    c = norm_offset(norm)
+    dtype = norm.weight.dtype
+    weight = np.array(norm.weight.astype(mx.float32), np.float64)
+    norm.weight = mx.array(((weight + c) / s - c).astype(np.float32)).astype(dtype)
+    if "bias" in norm:
+        norm.bias = (norm.bias.astype(mx.float32) / mx.array(s)).astype(norm.bias.dtype)
+
+
+def fold_into_rows(linear: nn.Module, s: np.ndarray) -> None:
+    """Divide the linear's output rows (and bias) by ``s`` in place."""
+    inv = mx.array(1.0 / s)
+    linear.weight = (linear.weight.astype(mx.float32) * inv[:, None]).astype(linear.weight.dtype)
+    if "bias" in linear:
+        linear.bias = (linear.bias.astype(mx.float32) * inv).astype(linear.bias.dtype)
+
+
+def scale_columns(linear: nn.Module, s: np.ndarray) -> None:
+    """Multiply the linear's input columns by ``s`` in place."""
+    scaled = linear.weight.astype(mx.float32) * mx.array(s)[None, :]
+    linear.weight = scaled.astype(linear.weight.dtype)
