@@ -24,7 +24,6 @@ plain decoding on the input-grounded prompt.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -34,12 +33,11 @@ from functools import partial
 
 import mlxspec  # noqa: F401
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlxspec.blas import blas_report
+from mlxspec.drafters import first_layers_copy, quantized_copy
 from mlxspec.generate import stream_generate
 from mlxspec.load import load
 
@@ -57,32 +55,6 @@ CODE = (
     "        result.append(total / window)\n"
     "    return result\n"
 )
-
-
-def rebuild(model: nn.Module, layers: int | None = None) -> nn.Module:
-    """A new model sharing ``model``'s weights, optionally with only its first ``layers``."""
-    args = model.args
-    if layers is not None:
-        changes = {"num_hidden_layers": layers}
-        if getattr(args, "layer_types", None):
-            changes["layer_types"] = args.layer_types[:layers]
-        args = dataclasses.replace(args, **changes)
-    copy = type(model)(args)
-    n = len(copy.layers)
-    weights = {
-        k: v
-        for k, v in tree_flatten(model.parameters())
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < n
-    }
-    copy.load_weights(list(copy.sanitize(weights).items()))  # sanitize: e.g. tied embeddings
-    return copy
-
-
-def four_bit_copy(model: nn.Module) -> nn.Module:
-    copy = rebuild(model)
-    nn.quantize(copy, group_size=64, bits=4)
-    mx.eval(copy.parameters())
-    return copy
 
 
 def run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed, **spec) -> dict:
@@ -136,7 +108,7 @@ def bench(
     only: list[str] | None = None,
 ) -> dict:
     model, tokenizer = load(model_spec)
-    drafts = {"4-bit self": four_bit_copy(model), "bad draft": rebuild(model, 4)}
+    drafts = {"4-bit self": quantized_copy(model, 4, 64), "bad draft": first_layers_copy(model, 4)}
     configs = [
         ("4-bit self", STORY, {"draft_model": drafts["4-bit self"], "draft_tokenizer": tokenizer}),
         ("prompt lookup", CODE, {"prompt_lookup": True}),

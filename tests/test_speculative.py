@@ -12,7 +12,6 @@ generations short enough for a few minutes on 2 CPU cores.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import mlx.core as mx
@@ -20,13 +19,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from chi_square import chi_square_pvalue
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxspec.draft_planner import HOPELESS_PAUSE, DraftLengthPlanner, SpecStats
+from mlxspec.drafters import first_layers_copy, quantized_copy
 from mlxspec.errors import TokenizerMismatchError
 from mlxspec.generate import SamplingParams
 from mlxspec.speculative import (
@@ -62,32 +61,9 @@ def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, scale: float = 4.0) 
     return model
 
 
-def rebuild(model: nn.Module, layers: int | None = None) -> nn.Module:
-    """A new model object sharing ``model``'s weights, optionally with only its first layers."""
-    args = model.args
-    if layers is not None:
-        changes = {"num_hidden_layers": layers}
-        if getattr(args, "layer_types", None):
-            changes["layer_types"] = args.layer_types[:layers]
-        args = dataclasses.replace(args, **changes)
-    copy = type(model)(args)
-    weights = {k: v for k, v in tree_flatten(model.parameters())
-               if not k.startswith("model.layers.") or int(k.split(".")[2]) < len(copy.layers)}
-    copy.load_weights(list(copy.sanitize(weights).items()))  # sanitize: e.g. tied embeddings
-    return copy
-
-
 def first_layers(model: nn.Module, n: int) -> nn.Module:
     """A deliberately bad draft: the target's first ``n`` layers (shared weights)."""
-    return rebuild(model, n)
-
-
-def quantized_copy(model: nn.Module) -> nn.Module:
-    """A 4-bit copy of the target (mlx-lm affine, group size 64)."""
-    copy = rebuild(model)
-    nn.quantize(copy, group_size=64, bits=4)
-    mx.eval(copy.parameters())
-    return copy
+    return first_layers_copy(model, n)
 
 
 def drafter_for(model: nn.Module, draft: nn.Module, max_kv_size: int | None = None):

@@ -71,19 +71,11 @@ def save_byte_tokenizer(path: Path) -> None:
     )
 
 
-def make_tiny_model(
-    path: Path, seed: int = 0, tokenizer_dir: Path | None = None, **config_overrides
-) -> Path:
-    """Write a random tiny llama model (float32) to ``path`` with the byte tokenizer, or with the
-    tokenizer files of ``tokenizer_dir`` (then pass its ``vocab_size``)."""
+def save_tiny(model, config: dict, path: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Write ``model`` and ``config`` to ``path`` with the byte tokenizer, or with the tokenizer
+    files of ``tokenizer_dir``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(**config_overrides)
-    mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    # Larger-than-default embeddings so the tiny model's predictions are not near-uniform.
-    model.model.embed_tokens.weight = 0.25 * mx.random.normal(model.model.embed_tokens.weight.shape)
-    mx.eval(model.parameters())
     save_model(path, model, donate_model=False)
     save_config(config, path / "config.json")
     if tokenizer_dir is None:
@@ -93,6 +85,20 @@ def make_tiny_model(
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
     return path
+
+
+def make_tiny_model(
+    path: Path, seed: int = 0, tokenizer_dir: Path | None = None, **config_overrides
+) -> Path:
+    """Write a random tiny llama model (float32) to ``path`` with the byte tokenizer, or with the
+    tokenizer files of ``tokenizer_dir`` (then pass its ``vocab_size``)."""
+    config = tiny_config(**config_overrides)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Larger-than-default embeddings so the tiny model's predictions are not near-uniform.
+    model.model.embed_tokens.weight = 0.25 * mx.random.normal(model.model.embed_tokens.weight.shape)
+    mx.eval(model.parameters())
+    return save_tiny(model, config, path, tokenizer_dir)
 
 
 def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
@@ -108,12 +114,7 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     ]
     model.load_weights(noisy)
     mx.eval(model.parameters())
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_model(dst, model, donate_model=False)
-    save_config(config, dst / "config.json")
-    save_byte_tokenizer(dst)
-    return dst
+    return save_tiny(model, config, dst)
 
 
 def quantized_copy(src: Path, dst: Path, bits: int, group_size: int = 32) -> Path:
@@ -126,9 +127,4 @@ def quantized_copy(src: Path, dst: Path, bits: int, group_size: int = 32) -> Pat
     model, config = load_model(Path(src))
     model, config = quantize_model(model, config, group_size, bits)
     config["quantization"][SOURCE_KEY] = str(src)
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_model(dst, model, donate_model=False)
-    save_config(config, dst / "config.json")
-    save_byte_tokenizer(dst)
-    return dst
+    return save_tiny(model, config, dst)

@@ -54,6 +54,12 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float
     return float(np.sum((d @ hessian.astype(np.float32, copy=False)) * d))
 
 
+def _scored_rows(weights: list[np.ndarray]) -> list[np.ndarray]:
+    """At most about ``SEARCH_ROWS`` evenly spaced rows of each matrix. Rows are independent terms
+    of the output error, so a strided subset ranks candidate scales as well, faster."""
+    return [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+
+
 def search_scales(
     weights: list[np.ndarray], hessian: np.ndarray, bits: int, group_size: int
 ) -> tuple[np.ndarray, float, float]:
@@ -69,8 +75,7 @@ def search_scales(
         divide the input), the chosen exponent, and the group's output error with ``s`` relative
         to plain RTN (``<= 1``), scored on at most ``SEARCH_ROWS`` rows of each matrix.
     """
-    # Rows are independent terms of the error: a strided subset ranks the alphas as well, faster.
-    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+    weights = _scored_rows(weights)
     hessian32 = hessian.astype(np.float32)
     rms = np.sqrt(np.maximum(np.diag(hessian), 0)).astype(np.float32)
     rms = np.maximum(rms, rms.max() * 1e-4 + 1e-12)  # dead channels: keep scales finite
@@ -93,7 +98,7 @@ def scaling_helps(
     """Whether ``s`` lowers the group's output error once the final quantizer (the clipping
     search, importance-weighted) is used: the search scores min-max rounding, so this check keeps
     AWQ from ever doing worse than plain RTN on the same objective."""
-    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+    weights = _scored_rows(weights)
     hessian32 = hessian.astype(np.float32)
     energy = np.diag(hessian).astype(np.float32)
 

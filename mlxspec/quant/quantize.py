@@ -266,20 +266,19 @@ def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, **_):
         elif len(names) == 1 and names[0].endswith("down_proj"):
             up = modules.get(names[0][: -len("down_proj")] + "up_proj")
             fold = None if up is None else partial(awq.fold_into_rows, up)
+        importance.update({n: np.diag(h) for n in names})  # divided by s**2 if scaled below
         if fold is None:
-            importance.update({n: np.diag(h) for n in names})
             continue
         specs = [plan[f"{prefix}.{n}"] for n in names]
         weights = [np.array(targets[n].weight.astype(mx.float32)) for n in names]
         bits, group_size = min(sp.bits for sp in specs), max(sp.group_size for sp in specs)
         s, _, _ = awq.search_scales(weights, h, bits, group_size)
         if not awq.scaling_helps(weights, h, s, bits, group_size, grid):
-            importance.update({n: np.diag(h) for n in names})
             continue
         fold(s)
         for n in names:
             awq.scale_columns(targets[n], s)
-            importance[n] = np.diag(h) / s.astype(np.float64) ** 2
+            importance[n] = importance[n] / s.astype(np.float64) ** 2
     after = block(x, *args, **kwargs)
     drift = (mx.linalg.norm((after - before).astype(mx.float32))
              / mx.linalg.norm(before.astype(mx.float32))).item()
