@@ -1,10 +1,12 @@
-"""`mlxspec bench`: decode speed, achieved bandwidth and roofline, side by side with mlx-lm."""
+"""`mlxspec bench`: decode speed, achieved bandwidth and roofline, side by side with mlx-lm.
+
+A thin shell over :func:`mlxspec.benchmark.compare_decode`.
+"""
 
 from __future__ import annotations
 
-import json
-
 import click
+
 from mlxspec.cli.common import model_option
 
 
@@ -23,10 +25,11 @@ def command(model, prompt, max_tokens, repeats, as_json):
       mlxspec bench
       mlxspec bench -m ./smollm2-q4 --max-tokens 128 --json
     """
-    from mlxspec.benchmark import DEFAULT_PROMPT, compare_decode, format_table
+    from mlxspec.benchmark import DEFAULT_PROMPT, compare_decode
+    from mlxspec.cli import render
 
     result = compare_decode(
         model, prompt=prompt or DEFAULT_PROMPT, max_tokens=max_tokens, repeats=repeats,
         progress=None if as_json else (lambda msg: click.echo(f"... {msg}", err=True)),
     )
-    click.echo(json.dumps(result, indent=2, default=str) if as_json else format_table(result))
+    click.echo(render.as_json(result) if as_json else render.bench_table(result))

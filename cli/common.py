@@ -1,10 +1,13 @@
-"""Options and output helpers shared by several commands."""
+"""Options shared by several commands (output rendering lives in :mod:`mlxspec.cli.render`).
+
+Imports nothing heavy: every command module is imported for ``mlxspec --help``.
+"""
 
 from __future__ import annotations
 
 import click
 
-from mlxspec.generate import Response
+from mlxspec.cli.render import stats_line  # noqa: F401  (its old home; import it from render)
 
 
 def model_option(f):
@@ -33,13 +36,16 @@ def sampling_options(f):
     return f
 
 
-def stats_line(response: Response, model_bytes: int | None = None) -> str:
-    """One line: prompt and generation speed, achieved bandwidth, peak memory."""
-    parts = [
-        f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tok/s",
-        f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s",
+def gate_options(f):
+    """--max-kl and --min-top1: the quality gate's thresholds (defaults depend on the bits)."""
+    options = [
+        click.option("--max-kl", type=click.FloatRange(min=0.0), default=None,
+                     help="Gate: highest mean KL divergence in nats/token (default: 0.01 at 8 "
+                          "bits, 0.10 at 4 bits and below)."),
+        click.option("--min-top1", type=click.FloatRange(0.0, 100.0), default=None,
+                     help="Gate: lowest same-top-1 agreement in % (default: 97 at 8 bits, 88 "
+                          "at 4 bits and below)."),
     ]
-    if model_bytes:
-        parts.append(f"bandwidth: {model_bytes * response.generation_tps / 1e9:.1f} GB/s")
-    parts.append(f"peak memory: {response.peak_memory:.2f} GB")
-    return " | ".join(parts)
+    for option in reversed(options):
+        f = option(f)
+    return f

@@ -3,17 +3,63 @@
 Two levers on the memory-bandwidth wall of decoding, stacked: zero-point weight quantization
 (de-quantized on the fly by custom Metal kernels) and lossless speculative decoding.
 
-On Linux the optimized-BLAS setup must run before ``mlx.core`` is imported, so it comes first.
+``import mlxspec`` is cheap (~milliseconds): the public names below are imported on first
+access (PEP 562), so ``mlxspec --help`` or ``from mlxspec import errors`` never load mlx-lm or
+transformers.
+
+The one thing done eagerly is the BLAS set-up (:mod:`mlxspec.blas`, Linux): MLX binds its BLAS
+when ``mlx.core`` is first imported, so the set-up must come before. Python initialises a
+package before any of its modules, so every ``mlxspec.*`` module that imports mlx gets the
+optimized BLAS without caring about import order; only a script that imports ``mlx.core``
+before any mlxspec module keeps MLX's reference BLAS (with one warning saying so).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from mlxspec import blas as _blas
 
 _blas.setup()
 
-from mlxspec.errors import MlxspecError  # noqa: E402
-from mlxspec.generate import generate, stream_generate  # noqa: E402
-from mlxspec.load import load  # noqa: E402
-
+# The version, written once: pyproject.toml reads it from here (tool.setuptools.dynamic).
 __version__ = "0.1.0"
 
-__all__ = ["MlxspecError", "generate", "load", "stream_generate", "__version__"]
+# Public name -> the module defining it, imported on first access.
+_LAZY = {
+    "MlxspecError": "mlxspec.errors",
+    "load": "mlxspec.load",
+    "generate": "mlxspec.generate",
+    "stream_generate": "mlxspec.generate",
+    "quantize_to_dir": "mlxspec.quantize_flow",
+    "QuantizeReport": "mlxspec.quantize_flow",
+    "evaluate": "mlxspec.evaluation",
+    "system_report": "mlxspec.system",
+}
+
+__all__ = [
+    "MlxspecError", "QuantizeReport", "__version__", "evaluate", "generate", "load",
+    "quantize_to_dir", "stream_generate", "system_report",
+]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports these
+    from mlxspec.errors import MlxspecError
+    from mlxspec.evaluation import evaluate
+    from mlxspec.generate import generate, stream_generate
+    from mlxspec.load import load
+    from mlxspec.quantize_flow import QuantizeReport, quantize_to_dir
+    from mlxspec.system import system_report
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlxspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,4 +1,4 @@
-"""mlxspec.eval and `mlxspec eval`: checked against float64 numpy on tiny random models, real
+"""mlxspec.evaluation and `mlxspec eval`: checked against float64 numpy on tiny random models, real
 mlx-lm quantizations of them, and the shipped evaluation text."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx_lm.utils import load_model, load_tokenizer
-from mlxspec.cli.main import cli
 from tiny_models import make_tiny_model, perturbed_copy, quantized_copy
 
-from mlxspec import eval as ev
+from mlxspec import evaluation as ev
+from mlxspec.cli.main import cli
 from mlxspec.errors import EvaluationError
+from mlxspec.evaluation import windows as windows_module
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ def test_text_windows_stream_in_chunks_without_changing_tokens(tokenizer, tmp_pa
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
     path = tmp_path / "long.txt"
     path.write_text(text)
-    monkeypatch.setattr(ev, "CHUNK_CHARS", 100)  # many chunks, each cut inside a line
+    monkeypatch.setattr(windows_module, "CHUNK_CHARS", 100)  # many chunks, each cut inside a line
     streamed = list(ev.text_windows(tokenizer, path, window_tokens=64))
     whole = tokenizer.encode(text, add_special_tokens=False)
     assert streamed == [whole[i : i + 64] for i in range(0, len(whole) - 63, 64)]
@@ -308,3 +309,27 @@ def test_models_with_different_tokenizers_are_refused(tokenizer, smollm2):
     with pytest.raises(TokenizerMismatchError, match="the draft model"):
         ev.check_same_tokenizer(tokenizer, smollm2[1], "the draft model")
     ev.check_same_tokenizer(smollm2[1], smollm2[1])
+
+
+def test_evaluate_refuses_to_compare_a_model_with_itself(models):
+    with pytest.raises(EvaluationError, match="itself"):
+        ev.evaluate(models["q4"], reference=models["q4"])
+    result = CliRunner().invoke(cli, ["eval", str(models["q4"]), "--save", "-r",
+                                      str(models["q4"])])
+    assert result.exit_code == 2 and "itself" in result.output
+    assert ev.read_results(models["q4"]) is None  # nothing was stored
+
+
+def test_evaluate_is_the_api_of_the_cli(models):
+    """The library call and the command give the same numbers (the CLI only renders)."""
+    api = ev.evaluate(models["q4"], windows=2, window_tokens=64)
+    cli_result = CliRunner().invoke(cli, ["eval", str(models["q4"]), "-n", "2", "-t", "64",
+                                          "--json"])
+    assert json.loads(cli_result.output) == json.loads(json.dumps(api))
+    assert api["reference"] == str(models["source"]) and api["kl_mean"] > 0
+
+
+def test_cli_defaults_are_the_library_defaults():
+    params = {p.name: p.default for p in cli.commands["eval"].params}
+    assert params["windows"] == ev.DEFAULT_WINDOWS
+    assert params["window_tokens"] == ev.DEFAULT_WINDOW_TOKENS

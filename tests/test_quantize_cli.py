@@ -1,5 +1,7 @@
-"""`mlxspec quantize` as a user runs it: real subprocesses, the saved directory, its reloading by
-mlxspec and by plain mlx-lm, and one-line errors for bad input."""
+"""`mlxspec quantize` and ``quantize_to_dir``: the saved directory, its reloading by mlxspec and
+by plain mlx-lm, one-line errors for bad input, and nothing lost on hostile output paths.
+
+In-process (click's CliRunner) except one true subprocess run of the installed command."""
 
 from __future__ import annotations
 
@@ -13,26 +15,45 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from tiny_models import make_tiny_model
 
+from mlxspec.cli.main import cli
 from mlxspec.quant import layers
 from mlxspec.quant.quantize import builtin_calibration_path
 
 MLXSPEC = str(Path(sys.executable).parent / "mlxspec")
 
 
-def quantize(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run `mlxspec quantize ARGS --no-eval` (the quality gate is tested with mlxspec.eval)."""
-    return subprocess.run([MLXSPEC, "quantize", *args, "--no-eval"], capture_output=True,
-                          text=True, timeout=timeout, env=os.environ.copy())
+class Result:
+    """What a command run left: exit code, stdout, stderr (CliRunner keeps them apart)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+def quantize(*args: str, evaluate: bool = False) -> Result:
+    """Run `mlxspec quantize ARGS` in this process (--no-eval unless ``evaluate``)."""
+    extra = [] if evaluate else ["--no-eval"]
+    result = CliRunner().invoke(cli, ["quantize", *args, *extra])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Result(result.exit_code, result.stdout, result.stderr)
+
+
+def assert_one_line_error(result: Result, *needles: str) -> None:
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes: to show that nothing changed."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +63,16 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_quantized(tiny_dir, tmp_path_factory) -> Path:
+    """The one true end-to-end run: the installed command in a subprocess, quality gate on."""
     out = tmp_path_factory.mktemp("q") / "tiny-q4"
-    result = quantize(str(tiny_dir), "--out", str(out), "--group-size", "32",
-                      "--calibration-windows", "4", "--calibration-tokens", "64")
+    result = subprocess.run(
+        [MLXSPEC, "quantize", str(tiny_dir), "--out", str(out), "--group-size", "32",
+         "--calibration-windows", "4", "--calibration-tokens", "64", "--max-kl", "10",
+         "--min-top1", "0"],
+        capture_output=True, text=True, timeout=900, env=os.environ.copy(),
+    )
     assert result.returncode == 0, result.stderr
-    assert "bits per weight" in result.stdout
+    assert "bits per weight" in result.stdout and "quality gate: PASS" in result.stdout
     return out
 
 
@@ -94,8 +120,10 @@ def test_refuses_to_overwrite_without_force_and_to_requantize(tiny_dir, tiny_qua
                           "exists: pass --force")
     assert_one_line_error(quantize(str(tiny_quantized), "--out", str(tmp_path / "again")),
                           "already quantized")
-    target = tmp_path / "forced"
+    target = tmp_path / "forced"  # a model directory mlxspec wrote, with a stale extra file
     target.mkdir()
+    for p in tiny_quantized.iterdir():
+        (target / p.name).write_bytes(p.read_bytes())
     (target / "stale.txt").write_text("old")
     result = quantize(str(tiny_dir), "--out", str(target), "--force", "--method", "rtn",
                       "--bits", "8", "--group-size", "64")
@@ -153,7 +181,7 @@ def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, tmp_path, 
 def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, gemma3, tmp_path):
     """Gemma-3 (``1 + w`` norms, sliding-window layers, 262k-token tied embedding) through the
     whole path: AWQ scales folded into its norms, 8-bit zp saved, reloaded by mlxspec.load."""
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load
 
     out = tmp_path / "gemma-awq8"
@@ -180,3 +208,132 @@ def test_mixed_auto_measures_sensitivity_and_records_it(tiny_dir, tmp_path):
     assert {spec["bits"] for spec in record["layers"].values()} == {8}
     assert_one_line_error(quantize(str(tiny_dir), "--out", str(tmp_path / "x"), "--mixed",
                                    "auto:lots"), "give auto or auto:BPW")
+
+
+def test_the_cli_spells_the_library_choices():
+    from mlxspec.cli import quantize as command
+    from mlxspec.quant import quantize as library
+
+    assert command.METHODS == library.METHODS and command.FORMATS == library.FORMATS
+
+
+def test_quantize_to_dir_reports_what_it_did_and_gates_against_the_source(tiny_dir, tmp_path):
+    from mlxspec import quantize_to_dir
+    from mlxspec.evaluation import read_results
+
+    steps = []
+    report = quantize_to_dir(
+        tiny_dir, tmp_path / "q8", bits=8, group_size=32, method="rtn", progress=False,
+        on_step=lambda step, _report: steps.append(step),
+    )
+    assert steps == ["quantized", "saved", "evaluated"]
+    assert report.out_dir == (tmp_path / "q8").absolute() and report.weight_bytes > 0
+    assert report.quantization["bits"] == 8 and report.passed is True
+    stored = read_results(tmp_path / "q8")
+    assert stored == report.evaluation and stored["reference"] == str(tiny_dir)
+    assert stored["results"]["kl_mean"] < 0.01
+    assert json.loads(json.dumps(report.as_dict()))["passed"] is True
+
+
+# -- issue 10: nothing lost, refused before the slow work ----------------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the model gets loaded: the refusals below must come before that."""
+    import mlxspec.load
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was refused")
+
+    monkeypatch.setattr(mlxspec.load, "load", load)
+
+
+@pytest.fixture
+def source(tiny_dir, tmp_path) -> Path:
+    """A private copy of the tiny model inside tmp_path/work (so its parent can be targeted)."""
+    copy = tmp_path / "work" / "source"
+    copy.mkdir(parents=True)
+    for p in tiny_dir.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    return copy
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+@pytest.mark.parametrize("where, relation", [
+    (lambda src: src, "the same as"),
+    (lambda src: src / "inner", "inside"),
+    (lambda src: src.parent, "a parent of"),
+])
+def test_out_is_never_the_source_inside_it_or_above_it(source, no_model_load, where, relation,
+                                                      force):
+    before = tree(source.parent)
+    result = quantize(str(source), "--out", str(where(source)), *force)
+    assert_one_line_error(result, relation, "choose a new directory")
+    assert tree(source.parent) == before
+
+
+@pytest.mark.parametrize("where", [lambda ref: ref, lambda ref: ref / "x", lambda ref: ref.parent])
+def test_out_is_never_the_reference_inside_it_or_above_it(source, tiny_dir, tmp_path,
+                                                          no_model_load, where):
+    reference = tmp_path / "elsewhere" / "reference"
+    reference.parent.mkdir()
+    reference.mkdir()
+    for p in tiny_dir.iterdir():
+        (reference / p.name).write_bytes(p.read_bytes())
+    before = tree(reference.parent)
+    result = quantize(str(source), "--out", str(where(reference)), "--force", "--reference",
+                      str(reference), evaluate=True)
+    assert_one_line_error(result, "choose a new directory")
+    assert tree(reference.parent) == before
+
+
+def test_out_dot_with_force_is_refused_and_the_working_directory_kept(source, tmp_path,
+                                                                      monkeypatch,
+                                                                      no_model_load):
+    cwd = tmp_path / "home" / "cwd"  # neither it nor its parent holds the source
+    cwd.mkdir(parents=True)
+    (cwd / "notes.txt").write_text("precious")
+    monkeypatch.chdir(cwd)
+    for out in (".", ".."):
+        assert_one_line_error(quantize(str(source), "--out", out, "--force"),
+                              "working directory")
+    assert (cwd / "notes.txt").read_text() == "precious"
+
+
+def test_force_replaces_only_a_directory_mlxspec_wrote(source, tmp_path, no_model_load):
+    mine = tmp_path / "documents"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("precious")
+    assert_one_line_error(quantize(str(source), "--out", str(mine), "--force"),
+                          "not a model directory mlxspec wrote")
+    assert (mine / "thesis.txt").read_text() == "precious"
+
+
+def test_unwritable_out_is_refused_before_loading(source, no_model_load):
+    # /proc refuses new entries even to root (chmod cannot show this when tests run as root).
+    assert_one_line_error(quantize(str(source), "--out", "/proc/mlxspec-q4"), "cannot write")
+
+
+def test_full_disk_is_refused_before_loading(source, tmp_path, monkeypatch, no_model_load):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    result = quantize(str(source), "--out", str(tmp_path / "q4"))
+    assert_one_line_error(result, "MB free", "needs about")
+    assert not (tmp_path / "q4").exists()
+
+
+@pytest.mark.parametrize("rule, needle", [
+    ({"match": "(unclosed", "bits": 8}, "not a valid regular expression"),
+    ({"match": "mlp", "layers": [[0.5, 0.2]], "bits": 8}, '"layers" must be'),
+    ({"match": "mlp", "layers": "all", "bits": 8}, '"layers" must be'),
+    ({"bits": 8}, 'needs "match"'),
+])
+def test_bad_recipes_are_refused_before_loading(source, tmp_path, no_model_load, rule, needle):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"kind": "quantization-recipe", "rules": [rule]}))
+    assert_one_line_error(quantize(str(source), "--out", str(tmp_path / "q4"), "--mixed",
+                                   str(recipe)), needle)

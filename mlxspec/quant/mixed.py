@@ -68,8 +68,30 @@ def load_recipe(name_or_path: str | Path) -> dict[str, Any]:
         raise QuantizationError(f"recipe {path} is not valid JSON: {e}") from e
     if not _is_recipe(recipe):
         raise QuantizationError(f"{path} is not a quantization recipe (no \"rules\" list)")
+    for i, rule in enumerate(recipe["rules"]):
+        _check_rule(rule, f"recipe {path}, rule {i + 1}")
     recipe.setdefault("name", path.stem)
     return recipe
+
+
+def _check_rule(rule: Any, where: str) -> None:
+    """Refuse a rule that would fail only after the model has loaded (a bad regex or range)."""
+    if not isinstance(rule, dict) or not isinstance(rule.get("match"), str):
+        raise QuantizationError(f"{where}: needs \"match\", a regular expression string")
+    try:
+        re.compile(rule["match"])
+    except re.error as e:
+        raise QuantizationError(f"{where}: \"match\" {rule['match']!r} is not a valid regular "
+                                f"expression ({e})") from e
+    ranges = rule.get("layers", [])
+    if not isinstance(ranges, list) or not all(
+        isinstance(r, list) and len(r) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r)
+        and 0 <= r[0] < r[1] <= 1
+        for r in ranges
+    ):
+        raise QuantizationError(f"{where}: \"layers\" must be [[lo, hi], ...] with "
+                                "0 <= lo < hi <= 1 (fractions of the depth)")
 
 
 def _is_recipe(data: Any) -> bool:

@@ -1,0 +1,46 @@
+"""``system_report()``: what mlxspec runs on — platform, MLX device, BLAS, kernel path, default
+model. ``mlxspec doctor`` prints it; bug reports should include it."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+
+def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str, Any]:
+    """Platform, MLX device, BLAS in use (with measured GFLOP/s when ``measure``) and the
+    quantized-matmul path; with ``check_kernels``, every Metal kernel checked against the MLX
+    fallback and timed (Mac only).
+
+    Never raises for a missing piece: a part that cannot be inspected is reported as such.
+    """
+    import mlx.core as mx
+
+    from mlxspec import __version__, blas
+    from mlxspec.load import default_model_path
+
+    report: dict[str, Any] = {
+        "mlxspec": __version__,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "metal_available": bool(mx.metal.is_available()),
+        "blas": blas.blas_report(measure=measure),
+    }
+    try:
+        from mlxspec.quant import kernels, layers
+
+        report["quantized_matmul"] = kernels.describe()
+        report["zero_point_layers"] = layers.describe()
+    except ImportError as e:
+        report["quantized_matmul"] = f"unavailable ({e})"
+    try:
+        report["default_model"] = str(default_model_path())
+    except Exception as e:  # reported, not raised: doctor diagnoses
+        report["default_model"] = f"missing: {e}"
+    if check_kernels:
+        from mlxspec.quant.kernels import check_on_device
+
+        report["kernel_check"] = check_on_device()
+    return report
