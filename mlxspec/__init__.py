@@ -17,6 +17,8 @@ before any mlxspec module keeps MLX's reference BLAS (with one warning saying so
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 from mlxspec import blas as _blas
@@ -50,6 +52,21 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from mlxspec.load import load
     from mlxspec.quantize_flow import QuantizeReport, quantize_to_dir
     from mlxspec.system import system_report
+
+
+class _Package(types.ModuleType):
+    """``mlxspec.load`` and ``mlxspec.generate`` name both submodules and the public functions
+    they define. The import system binds a submodule to its package's attribute when it first
+    loads it; here the functions keep those names, as when they were imported eagerly (the
+    submodules stay reachable in ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -241,12 +241,13 @@ def test_quantize_to_dir_reports_what_it_did_and_gates_against_the_source(tiny_d
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if the model gets loaded: the refusals below must come before that."""
-    import mlxspec.load
+    import importlib
 
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was refused")
 
-    monkeypatch.setattr(mlxspec.load, "load", load)
+    # the module, not the function mlxspec.load
+    monkeypatch.setattr(importlib.import_module("mlxspec.load"), "load", load)
 
 
 @pytest.fixture
