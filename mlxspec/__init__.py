@@ -38,6 +38,7 @@ _LAZY = {
     "QuantizeReport": "mlxspec.quantize_flow",
     "evaluate": "mlxspec.evaluation",
     "system_report": "mlxspec.system",
+    "batch_generate": "mlxspec.batch",  # branch serve (add it to __all__ at merge)
 }
 
 __all__ = [

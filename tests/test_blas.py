@@ -349,7 +349,7 @@ model, tokenizer = mlxspec.load(MODEL_DIR)
 dequantize_model(model)
 model.set_dtype(mx.float32)  # only float32 matmuls go through BLAS
 prompt = mx.array(tokenizer.encode("The three primary colors are"))
-tokens = [int(token) for token, _ in generate_step(prompt, model, max_tokens=12)]
+tokens = [int(token) for token, _ in generate_step(prompt, model, max_tokens=8)]
 print(json.dumps({"tokens": tokens}))
 """
 
@@ -359,7 +359,7 @@ def test_greedy_tokens_of_real_model_equal_between_reference_and_openblas(smollm
     code = GREEDY_TOKENS.replace("MODEL_DIR", repr(str(smollm2_dir)))
     reference = run_with_blas(code, "reference", home)
     optimized = run_with_blas(code, None, home)
-    assert len(optimized["tokens"]) == 12
+    assert len(optimized["tokens"]) == 8
     assert optimized["tokens"] == reference["tokens"]
 
 
@@ -378,7 +378,7 @@ def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
 
     from mlxspec import blas
 
-    if not Path("/proc/stat").exists():
+    if not Path("/proc/loadavg").exists():
         pytest.skip("needs /proc (Linux)")
 
     def spin(seconds):
@@ -386,19 +386,36 @@ def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
         while time.time() < end:
             pass
 
-    baseline = blas.busy_cores_elsewhere(interval=0.4)  # whatever else runs on this machine
+    def sample(n=20):  # a snapshot each: the median of a few says what runs steadily
+        values = []
+        for _ in range(n):
+            values.append(blas.busy_cores_elsewhere())
+            time.sleep(0.01)
+        return sorted(values)[n // 2]
+
+    baseline = sample()  # whatever else runs on this machine
     spinner = threading.Thread(target=spin, args=(0.6,))  # this process busy: not counted
     spinner.start()
-    alone = blas.busy_cores_elsewhere(interval=0.4)
+    alone = sample()
     spinner.join()
     other = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
                               "while time.time() - t < 3: pass\n"])
     try:
         time.sleep(0.5)  # past the interpreter's start-up
-        with_other = blas.busy_cores_elsewhere(interval=0.4)
+        with_other = sample()
     finally:
         other.kill()
         other.wait()
-    assert alone < baseline + 0.5, (alone, baseline)
-    assert with_other > baseline + 0.5 or with_other > 0.9 * (os.cpu_count() or 1), (
+    assert alone < baseline + 1, (alone, baseline)
+    assert with_other >= baseline + 1 or with_other >= (os.cpu_count() or 1), (
         with_other, baseline)
+
+
+def test_import_mlxspec_does_not_wait_to_size_the_threads():
+    """The thread count comes from one snapshot (no sampling interval): cheap at import."""
+    from mlxspec import blas
+
+    start = time.perf_counter()
+    for _ in range(10):
+        blas.busy_cores_elsewhere()
+    assert time.perf_counter() - start < 0.2  # was 10 x 50 ms

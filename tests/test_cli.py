@@ -1,4 +1,5 @@
-"""The command line as a user meets it: real subprocesses, pipes, a terminal, and bad input."""
+"""The command line as a user meets it: bad input and help in-process (click's CliRunner), and a
+handful of true end-to-end runs of the installed command: a subprocess, a pipe, a terminal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from mlxspec.cli.main import cli
 
 MLXSPEC = str(Path(sys.executable).parent / "mlxspec")
 
@@ -26,6 +30,14 @@ def run(*args: str, stdin: str | None = None, timeout: float = 300) -> subproces
     )
 
 
+def invoke(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run `mlxspec ARGS` in this process; the result reads like a subprocess's."""
+    result = CliRunner().invoke(cli, list(args), input=stdin)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -36,7 +48,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 
 
 def test_generate_json_on_the_default_model(smollm2_dir):
-    result = run(
+    result = invoke(
         "generate", "--prompt", "What is the capital of France?", "--max-tokens", "16", "--json"
     )
     assert result.returncode == 0, result.stderr
@@ -75,13 +87,13 @@ def test_chat_from_a_pipe_answers_each_turn_and_reuses_the_cache(smollm2_dir):
     ],
 )
 def test_user_mistakes_give_one_line_and_exit_2(args, needles):
-    assert_one_line_error(run(*args), *needles)
+    assert_one_line_error(invoke(*args), *needles)
 
 
 def test_corrupt_model_directory_gives_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     (tmp_path / "model.safetensors").write_bytes(b"junk")
-    assert_one_line_error(run("generate", "--model", str(tmp_path)), "not valid JSON")
+    assert_one_line_error(invoke("generate", "--model", str(tmp_path)), "not valid JSON")
 
 
 def test_bad_option_values_exit_2_without_traceback():
@@ -90,12 +102,12 @@ def test_bad_option_values_exit_2_without_traceback():
         ["generate", "--num-draft-tokens", "zero"],
         ["chat", "--max-tokens", "0"],
     ):
-        result = run(*args)
+        result = invoke(*args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, args
 
 
 def test_debug_flag_shows_the_traceback():
-    result = run("--debug", "generate", "--model", "./does/not/exist")
+    result = invoke("--debug", "generate", "--model", "./does/not/exist")
     assert result.returncode == 2 and "Traceback" in result.stderr
 
 
@@ -103,7 +115,7 @@ def test_every_command_has_help_with_examples():
     from mlxspec.cli.main import COMMANDS
 
     for name in COMMANDS:
-        result = run(name, "--help")
+        result = invoke(name, "--help")
         assert result.returncode == 0 and "Example" in result.stdout, name
 
 
@@ -158,7 +170,7 @@ def test_chat_in_a_terminal_with_ctrl_c_and_ctrl_d(smollm2_dir, tmp_path):
 
 
 def test_doctor_reports_the_blas_and_the_quantized_paths(smollm2_dir):
-    result = run("doctor", "--no-measure", "--json")
+    result = invoke("doctor", "--no-measure", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     if sys.platform != "linux":
@@ -169,6 +181,16 @@ def test_doctor_reports_the_blas_and_the_quantized_paths(smollm2_dir):
     assert report["zero_point_layers"].startswith("zero-point layers on CPU")
     assert "openblas" in json.dumps(report["blas"]).lower()
     assert report["default_model"] == str(smollm2_dir) or Path(report["default_model"]).exists()
+    # The BLAS is chosen before mlx.core loads: another process shows the other choice.
     with_reference = subprocess.run([MLXSPEC, "doctor", "--no-measure"], capture_output=True,
                                     text=True, env={**os.environ, "MLXSPEC_BLAS": "reference"})
     assert with_reference.returncode == 0 and "reference" in with_reference.stdout.lower()
+
+
+def test_system_report_is_the_library_side_of_doctor():
+    from mlxspec import system_report
+
+    report = system_report(measure=False)
+    assert report["mlxspec"] and report["blas"]["active"] in (
+        "openblas", "custom", "preloaded", "reference", "accelerate")
+    assert "matmul_gflops" not in report["blas"]
