@@ -55,44 +55,20 @@ COLUMNS = (
 )
 
 
-def _best_seconds(run, repeats: int) -> float:
-    run()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_matmul(sizes=(512, 1024)) -> dict:
     """float32 (n, n) @ (n, n) GFLOP/s, best of 5."""
-    import mlx.core as mx
+    from mlxspec.blas import measure_matmul_gflops
 
-    result = {}
-    for n in sizes:
-        a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
-        seconds = _best_seconds(lambda a=a, b=b: mx.eval(a @ b), 5)
-        result[f"matmul_{n}_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
-    return result
+    return {f"matmul_{n}_gflops": round(measure_matmul_gflops(n), 1) for n in sizes}
 
 
 def measure_memory_bandwidth(megabytes: int = 256) -> dict:
-    """GB/s of one thread copying (bytes read + written) and summing (bytes read) a large array.
+    """GB/s of copying (bytes read + written) and summing (bytes read) a large array: numpy,
+    BLAS-independent, so the columns differ only by noise (other processes on the machine)."""
+    from mlxspec.benchmark import memory_bandwidth, read_bandwidth
 
-    numpy into preallocated memory, so page faults do not count; BLAS-independent, so the two
-    columns differ only by noise (other processes on the machine).
-    """
-    import numpy as np
-
-    source = np.random.default_rng(0).random(megabytes * 2**20 // 4, dtype=np.float32)
-    target = np.empty_like(source)
-    copy = _best_seconds(lambda: np.copyto(target, source), 5)
-    read = _best_seconds(lambda: source.sum(), 5)
-    return {
-        "memcpy_gbs": round(2 * source.nbytes / copy / 1e9, 1),
-        "read_gbs": round(source.nbytes / read / 1e9, 1),
-    }
+    return {"memcpy_gbs": round(memory_bandwidth(megabytes), 1),
+            "read_gbs": round(read_bandwidth(megabytes), 1)}
 
 
 def measure_layer(tokens=(1, 2, 4, 8), n_layers: int = 30) -> dict:
@@ -102,6 +78,8 @@ def measure_layer(tokens=(1, 2, 4, 8), n_layers: int = 30) -> dict:
     the model, so the weights come from memory rather than cache.
     """
     import mlx.core as mx
+
+    from mlxspec.benchmark import best_seconds
 
     weights = [mx.random.normal((1536, 576)) for _ in range(n_layers)]
     variants = {"float32": lambda x, w: x @ w.T}
@@ -124,7 +102,7 @@ def measure_layer(tokens=(1, 2, 4, 8), n_layers: int = 30) -> dict:
             def step(layer=layer, arg=arg, x=x):
                 mx.eval([layer(x, arg(i)) for i in range(n_layers)])
 
-            seconds = _best_seconds(step, 3)
+            seconds = best_seconds(step, 3)
             result[f"layer_{name}_m{m}_us"] = round(seconds / n_layers * 1e6, 1)
     return result
 
@@ -158,20 +136,21 @@ def load_float32_model(spec: str | None, random_model: bool):
 def measure_model(model, vocab_size: int, prompt_tokens: int, decode_tokens: int) -> dict:
     """Prefill and decode tok/s, forward cost over M new tokens, decode bandwidth."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+    from mlxspec.benchmark import achieved_bandwidth, best_seconds, model_bytes
+
     mx.random.seed(1)
     prompt = mx.random.randint(0, vocab_size, (prompt_tokens,))
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weight_bytes = model_bytes(model)
 
     def prefill():
         cache = make_prompt_cache(model)
         mx.eval(model(prompt[None], cache=cache))
         return cache
 
-    prefill_seconds = _best_seconds(prefill, 2)
+    prefill_seconds = best_seconds(prefill, 2)
 
     times = []
     for _ in generate_step(prompt, model, max_tokens=decode_tokens):
@@ -194,7 +173,7 @@ def measure_model(model, vocab_size: int, prompt_tokens: int, decode_tokens: int
         "prefill_tokens": prompt_tokens,
         "prefill_tps": round(prompt_tokens / prefill_seconds, 1),
         "decode_tps": round(decode_tps, 2),
-        "decode_gbs": round(weight_bytes * decode_tps / 1e9, 2),
+        "decode_gbs": round(achieved_bandwidth(weight_bytes, decode_tps), 2),
         **{f"forward_m{m}_ms": round(ms, 1) for m, ms in forward_ms.items()},
     }
 
@@ -213,7 +192,9 @@ def run_worker(spec, random_model, prompt_tokens, decode_tokens, skip_model) -> 
         result["model"] = label
         result.update(measure_model(model, vocab_size, prompt_tokens, decode_tokens))
         if "read_gbs" in result:
-            result["decode_roofline"] = round(result["decode_gbs"] / result["read_gbs"], 2)
+            from mlxspec.benchmark import roofline
+
+            result["decode_roofline"] = round(roofline(result["decode_gbs"], result["read_gbs"]), 2)
     return result
 
 
