@@ -22,10 +22,13 @@ The tokenizer is rebuilt from the metadata by ``mlxspec.gguf_tokenizer``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -38,11 +41,28 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from mlxspec.errors import CorruptModelError, UnsupportedModelError
-from mlxspec.gguf_tokenizer import build_tokenizer, eos_token_ids, tokenizer_config
+from mlxspec.errors import (
+    CorruptModelError,
+    NotWritableError,
+    OutputExistsError,
+    UnsupportedModelError,
+)
+from mlxspec.gguf_tokenizer import (
+    build_tokenizer,
+    check_tokenizer_metadata,
+    eos_token_ids,
+    tokenizer_config,
+)
+from mlxspec.model_checks import check_vocabulary
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
 CONVERTER_VERSION = 1
+# Written into every converted directory: convert_gguf replaces only directories that hold it.
+MARKER = ".mlxspec-conversion"
+# Work directories beside the output: ".<name>.<pid>.<random>.partial" (being written) and
+# ".<name>.<pid>.<random>.old" (a replaced conversion being deleted).
+_WORK_DIR = re.compile(r"^\..+\.(?P<pid>\d+)\.[a-z0-9_]+\.(partial|old)$")
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 
 
 # -- reading a GGUF file --------------------------------------------------------------------------
@@ -93,6 +113,11 @@ class GGUFFile:
     tensors: dict[str, GGUFTensor]
 
 
+MAX_ARRAY_DEPTH = 4  # metadata arrays of arrays nested deeper than this are refused
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 1 << 40  # no real tensor comes near; beyond it the sizes overflow int64
+
+
 class _Cursor:
     """Reads little-endian values from a buffer, advancing a position."""
 
@@ -112,17 +137,23 @@ class _Cursor:
         self.pos += size
         return text
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item_type, count = self.scalar("<I"), self.scalar("<Q")
             if item_type in _SCALARS:  # numbers in one read
                 dtype = np.dtype(_SCALARS[item_type])
+                if count * dtype.itemsize > len(self.buf) - self.pos:
+                    raise struct.error("array runs past the end of the file")
                 values = np.frombuffer(self.buf, dtype, count, self.pos)
                 self.pos += count * dtype.itemsize
                 return values.tolist()
-            return [self.value(item_type) for _ in range(count)]
+            if count * 8 > len(self.buf) - self.pos:  # every string or array takes >= 8 bytes
+                raise struct.error("array runs past the end of the file")
+            return [self.value(item_type, depth + 1) for _ in range(count)]
         return self.scalar(_SCALARS[GGUFValueType(vtype)])
 
 
@@ -153,31 +184,58 @@ def read_gguf(path: str | Path) -> GGUFFile:
         index = []
         for _ in range(n_tensors):
             name = cursor.string()
-            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            n_dims = cursor.scalar("<I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+            dims = [cursor.scalar("<Q") for _ in range(n_dims)]
             index.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
-    except (struct.error, UnicodeDecodeError, ValueError, KeyError) as e:
+        if len({entry[0] for entry in index}) != len(index):
+            raise ValueError("two tensors have the same name")
+    except (struct.error, UnicodeDecodeError, ValueError, KeyError, OverflowError) as e:
         raise CorruptModelError(f"{path} is truncated or corrupt (header: {e})") from None
 
     alignment = metadata.get("general.alignment", 32)
+    if not _is_int(alignment) or alignment <= 0 or alignment % 8:
+        raise CorruptModelError(
+            f"{path}: general.alignment is {alignment!r}, not a positive multiple of 8"
+        )
     data_start = -(-cursor.pos // alignment) * alignment
     tensors = {}
     for name, dims, type_id, offset in index:
-        try:
-            qtype = GGMLQuantizationType(type_id)
-            block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            raise UnsupportedModelError(
-                f"GGUF tensor {name} has unknown type id {type_id}"
-            ) from None
-        shape = tuple(reversed(dims))  # ggml lists the fastest-varying dimension first
-        row_bytes = dims[0] // block_size * block_bytes
-        rows = int(np.prod(dims[1:], dtype=np.int64))
-        start = data_start + offset
-        if start + rows * row_bytes > len(buf):
-            raise CorruptModelError(f"{path} is truncated: tensor {name} runs past the end")
-        raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start).reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, shape, qtype, raw)
+        tensors[name] = _tensor(path, buf, name, dims, type_id, data_start, offset, alignment)
     return GGUFFile(metadata, tensors)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor(path, buf, name, dims, type_id, data_start, offset, alignment) -> GGUFTensor:
+    """One entry of the tensor index, its shape and byte range checked against the file."""
+    try:
+        qtype = GGMLQuantizationType(type_id)
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise UnsupportedModelError(f"GGUF tensor {name} has unknown type id {type_id}") from None
+    if not 1 <= len(dims) <= MAX_DIMS or any(d <= 0 for d in dims):
+        raise CorruptModelError(f"{path}: tensor {name} has invalid dimensions {dims}")
+    if math.prod(dims) > MAX_ELEMENTS:
+        raise CorruptModelError(f"{path}: tensor {name} dimensions {dims} are impossibly large")
+    if dims[0] % block_size:
+        raise CorruptModelError(
+            f"{path}: tensor {name} has rows of {dims[0]} values, not a whole number of "
+            f"{qtype.name} blocks of {block_size}"
+        )
+    if offset % alignment:
+        raise CorruptModelError(f"{path}: tensor {name} is not aligned to {alignment} bytes")
+    shape = tuple(reversed(dims))  # ggml lists the fastest-varying dimension first
+    row_bytes = dims[0] // block_size * block_bytes
+    rows = math.prod(dims[1:])
+    start = data_start + offset
+    if start + rows * row_bytes > len(buf):
+        raise CorruptModelError(f"{path} is truncated: tensor {name} runs past the end")
+    raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start).reshape(rows, row_bytes)
+    return GGUFTensor(name, shape, qtype, raw)
 
 
 # -- architectures --------------------------------------------------------------------------------
@@ -232,33 +290,59 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _int(meta: dict, key: str, default: int | None = None) -> int:
+    """A positive integer field (a size or a count)."""
     value = meta.get(key, default)
     if value is None:
         raise CorruptModelError(f"GGUF metadata has no {key}")
-    if not isinstance(value, int):  # a per-layer list: layers of different shapes
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        # a per-layer list: layers of different shapes
         raise UnsupportedModelError(f"GGUF {key} varies per layer, which mlx-lm does not support")
+    if not _is_int(value) or value <= 0:
+        raise CorruptModelError(f"GGUF metadata {key} is {value!r}, not a positive integer")
     return value
+
+
+def _number(meta: dict, key: str, default: float | None = None) -> float:
+    """A positive finite number field (an epsilon, a RoPE base)."""
+    value = meta.get(key, default)
+    if value is None:
+        raise CorruptModelError(f"GGUF metadata has no {key}")
+    if not (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):
+        raise CorruptModelError(f"GGUF metadata {key} is {value!r}, not a positive number")
+    return float(value)
 
 
 def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
     heads = _int(meta, f"{arch}.attention.head_count")
     hidden = _int(meta, f"{arch}.embedding_length")
+    kv_heads = _int(meta, f"{arch}.attention.head_count_kv", heads)
+    if f"{arch}.attention.key_length" not in meta and hidden % heads:
+        raise CorruptModelError(
+            f"GGUF head count {heads} does not divide the embedding length {hidden}"
+        )
+    if heads % kv_heads:
+        raise CorruptModelError(f"GGUF KV head count {kv_heads} does not divide {heads} heads")
     head_dim = _int(meta, f"{arch}.attention.key_length", hidden // heads)
+    if head_dim % 2:
+        raise CorruptModelError(f"GGUF head size {head_dim} is odd; RoPE needs pairs")
     if _int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF key and value head sizes differ; mlx-lm needs them equal")
     if _int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF model applies RoPE to part of each head; not supported")
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError("GGUF model has per-frequency RoPE factors (Llama 3.1 style)")
+    if "token_embd.weight" not in gguf.tensors:
+        raise CorruptModelError("GGUF file has no token_embd.weight (the embedding table)")
     return {
         "hidden_size": hidden,
-        "num_hidden_layers": _int(meta, f"{arch}.block_count"),
+        "num_hidden_layers": _block_count(meta, arch, gguf),
         "intermediate_size": _int(meta, f"{arch}.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _number(meta, f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch),
         "max_position_embeddings": _int(meta, f"{arch}.context_length"),
         "vocab_size": gguf.tensors["token_embd.weight"].shape[0],
@@ -266,9 +350,21 @@ def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
     }
 
 
+def _block_count(meta: dict, arch: str, gguf: GGUFFile) -> int:
+    """``{arch}.block_count``, which must match the ``blk.<i>`` tensors the file holds."""
+    count = _int(meta, f"{arch}.block_count")
+    found = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+    if count != len(found) or found != {str(i) for i in range(count)}:
+        raise CorruptModelError(
+            f"GGUF {arch}.block_count is {count}, but the file holds tensors for "
+            f"{len(found)} layers"
+        )
+    return count
+
+
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = meta.get(f"{arch}.rope.scaling.factor", 1.0)
+    factor = _number(meta, f"{arch}.rope.scaling.factor", 1.0)
     if kind == "none" or factor == 1.0:
         return None
     if kind == "linear":
@@ -415,6 +511,10 @@ def convert_gguf(
     gguf = read_gguf(gguf_path)
     meta = gguf.metadata
     arch_name = meta.get("general.architecture")
+    if not isinstance(arch_name, str):
+        raise CorruptModelError(
+            f"{gguf_path}: general.architecture is {arch_name!r}, not an architecture name"
+        )
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch_name!r} is not supported ({', '.join(ARCHITECTURES)})"
@@ -424,26 +524,83 @@ def convert_gguf(
         config = arch.config(meta, gguf)
     except KeyError as e:
         raise CorruptModelError(f"{gguf_path} lacks {e.args[0]}, which {arch_name} needs") from None
+    check_tokenizer_metadata(meta, rows=config["vocab_size"])
     eos_ids = eos_token_ids(meta)
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
+    _check_shapes(gguf, arch, config)
     tokenizer = build_tokenizer(meta)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent)
+    _check_replaceable(out_dir)
+    try:
+        _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress)
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise NotWritableError(
+            f"cannot write the converted model to {out_dir.parent}: {e.strerror}; free some "
+            "space or choose a writable directory (MLXSPEC_HOME for mlxspec's cache)"
+        ) from None
+    return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse to replace anything at ``out_dir`` that this converter did not create (an empty
+    directory is fine): a file, a symlink, or a directory without the marker."""
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    ours = out_dir.is_dir() and not out_dir.is_symlink() and (
+        (out_dir / MARKER).is_file() or not any(out_dir.iterdir())
     )
+    if not ours:
+        raise OutputExistsError(
+            f"{out_dir} exists and is not a conversion made by mlxspec: nothing was changed; "
+            "remove it or choose another output directory"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale_work_dirs(parent: Path) -> list[Path]:
+    """Delete the ``.partial``/``.old`` work directories in ``parent`` whose converting process
+    is gone (killed mid-conversion); returns what was deleted. Live conversions are left alone."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        m = _WORK_DIR.match(entry.name)
+        if m and entry.is_dir() and not entry.is_symlink() and not _alive(int(m["pid"])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress) -> None:
+    """Write everything into a work directory beside ``out_dir``, then rename it into place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_work_dirs(out_dir.parent)
+    prefix = f".{out_dir.name}.{os.getpid()}."
+    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         save_weights(staging / "model.safetensors", gguf, arch, config, dtype, progress)
         _write_json(staging / "config.json", {**config, "torch_dtype": dtype})
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
+        (staging / MARKER).write_text(f"mlxspec GGUF conversion, converter {CONVERTER_VERSION}\n")
+        _check_loads(staging)
+        _check_replaceable(out_dir)  # again: something may have appeared meanwhile
         if out_dir.exists():  # replace: move the old one aside first, delete it after
-            old = Path(
-                tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent)
-            )
+            old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=out_dir.parent))
             os.replace(out_dir, old / "dir")
             os.replace(staging, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -452,7 +609,52 @@ def convert_gguf(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
+
+
+def _check_shapes(gguf: GGUFFile, arch: Architecture, config: dict) -> None:
+    """Every tensor the mlx-lm model class expects is in the file with the expected shape, and
+    nothing else is: checked on a lazily built model (no weights are allocated), before any slow
+    work or any write."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except (ValueError, TypeError, KeyError, AssertionError, ZeroDivisionError) as e:
+        raise CorruptModelError(f"GGUF metadata does not describe a valid model: {e}") from None
+    import mlx.core as mx
+
+    found = {_hf_name(name, arch.layer_names): t.shape for name, t in gguf.tensors.items()}
+    if hasattr(model, "sanitize"):  # as mlx-lm's loader does (it may drop a tied lm_head)
+        # mx.zeros is lazy: these placeholders never allocate their (possibly huge) shapes.
+        placeholders = model.sanitize({k: mx.zeros(v, mx.float16) for k, v in found.items()})
+        found = {k: tuple(v.shape) for k, v in placeholders.items()}
+    expected = {name: tuple(w.shape) for name, w in tree_flatten(model.parameters())}
+    for name, shape in found.items():
+        if name not in expected:
+            raise CorruptModelError(f"GGUF tensor for {name} does not belong in this model")
+        if tuple(shape) != expected[name]:
+            raise CorruptModelError(
+                f"GGUF tensor for {name} has shape {tuple(shape)}, but the metadata implies "
+                f"{expected[name]}"
+            )
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CorruptModelError(f"GGUF file lacks the tensor for {missing[0]}")
+
+
+def _check_loads(model_dir: Path) -> None:
+    """Load the converted directory as mlx-lm would (lazily: no weights read) and its tokenizer:
+    a conversion that cannot load is never put in place."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    try:
+        model, config = load_model(model_dir, lazy=True)
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers and transformers raise their own exception types
+        raise CorruptModelError(f"the converted model does not load: {e}") from None
+    check_vocabulary(model, tokenizer, config, "the GGUF file")
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -174,7 +174,8 @@ def test_cli_upload_prints_one_line_errors_without_the_token(models, hub_env, mo
     monkeypatch.setenv("HF_TOKEN", "hf_secret_but_wrong")
     result = CliRunner().invoke(cli, ["upload", str(models["q8"]), "me/x"])
     assert result.exit_code == 2
-    assert result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert result.stdout.startswith("uploading to me/x")  # the file list comes first
     assert "hf_secret_but_wrong" not in result.output
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     result = CliRunner().invoke(cli, ["upload", str(models["q8"]), "me/x", "--private"])
