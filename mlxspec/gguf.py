@@ -62,7 +62,8 @@ MARKER = ".mlxspec-conversion"
 # Work directories beside the output: ".<name>.<pid>.<random>.partial" (being written) and
 # ".<name>.<pid>.<random>.old" (a replaced conversion being deleted).
 _WORK_DIR = re.compile(r"^\..+\.(?P<pid>\d+)\.[a-z0-9_]+\.(partial|old)$")
-_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                 errno.ENOTDIR, errno.EEXIST}
 
 
 # -- reading a GGUF file --------------------------------------------------------------------------
@@ -574,9 +575,11 @@ def clean_stale_work_dirs(parent: Path) -> list[Path]:
     """Delete the ``.partial``/``.old`` work directories in ``parent`` whose converting process
     is gone (killed mid-conversion); returns what was deleted. Live conversions are left alone."""
     removed = []
-    if not parent.is_dir():
+    try:
+        entries = list(parent.iterdir())
+    except OSError:  # no cache yet, or one we cannot read: nothing to clean
         return removed
-    for entry in parent.iterdir():
+    for entry in entries:
         m = _WORK_DIR.match(entry.name)
         if m and entry.is_dir() and not entry.is_symlink() and not _alive(int(m["pid"])):
             shutil.rmtree(entry, ignore_errors=True)

@@ -21,6 +21,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,8 +407,9 @@ UPLOAD_CASES = [
     Case("upload-repo-id-empty", lambda w: ["upload", w.model(), ""], "repo id"),
     _upload_case("hub-create-500", _fail_hub("create_repo", 500), "500"),
     _upload_case("hub-create-drops-connection", _fail_hub("create_repo", "drop"), "unreachable"),
-    _upload_case("hub-preupload-drops-connection", _fail_hub("preupload", "drop"),
-                 "unreachable"),
+    # The repo is created, then the commit fails: the new, empty repo is deleted again.
+    _upload_case("hub-commit-conflict", _fail_hub("commit", 409), "conflict"),
+    _upload_case("hub-commit-500", _fail_hub("commit", 500), "500"),
     _upload_case("hub-echoes-authorization", _fail_hub("create_repo", "echo"), "400"),
     _upload_case("no-token", lambda w, m: _setenv("HF_TOKEN", None), "no Hugging Face token"),
     _upload_case("bad-token", lambda w, m: _setenv("HF_TOKEN", "hf_wrong_wrong_wrong"),
@@ -448,3 +453,210 @@ def test_hostile_input_gives_one_error_line_and_changes_nothing(world, case):
 
 def test_there_are_at_least_sixty_hostile_inputs():
     assert len(CASES) >= 60
+
+
+# -- cases outside the table ------------------------------------------------------------------------
+
+
+def test_debug_never_prints_the_token_even_when_the_hub_echoes_it(world):
+    """--debug prints the whole exception chain and library log lines: all of it masked."""
+    world.hub.fail["create_repo"] = "echo"
+    result = run(["--debug", "upload", world.model(), "me/tiny"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "Authorization" in result.stderr.title()
+    assert TOKEN not in result.output and TOKEN not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert not world.hub.repos
+
+
+def test_hub_retry_logs_are_masked_and_silent_without_debug(world, caplog):
+    from mlxspec.redact import quiet_library_logs
+
+    quiet_library_logs(debug=False)
+    import logging
+
+    logging.getLogger("huggingface_hub.utils._http").warning(f"retrying with Bearer {TOKEN}")
+    assert TOKEN not in caplog.text
+
+
+def test_dry_run_lists_the_files_and_sends_nothing(world):
+    model = world.model()
+    (model / ".DS_Store").write_bytes(b"\0")  # hidden: never uploaded, never refused
+    (model / "notes.txt").write_text("release notes")
+    before = snapshot(world.root)
+    result = run(["upload", model, "me/tiny", "--include", "notes.txt", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["README.md", "config.json", "model.safetensors",
+                      "model.safetensors.index.json", "notes.txt", "tokenizer.json",
+                      "tokenizer_config.json"]
+    assert "nothing was sent" in result.stdout and not world.hub.repos
+    assert snapshot(world.root) == before
+
+
+def test_upload_sends_exactly_the_listed_files(world):
+    model = world.model()
+    (model / "notes.txt").write_text("release notes")
+    result = run(["upload", model, "me/tiny", "--include", "notes.txt"])
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert world.hub.file_names("me/tiny") == listed
+
+
+@pytest.mark.parametrize("occupant", ["file", "foreign-dir", "symlink-to-dir", "symlink-to-file"])
+def test_convert_gguf_never_replaces_what_mlxspec_did_not_create(world, occupant):
+    from mlxspec.errors import OutputExistsError
+    from mlxspec.gguf import convert_gguf
+
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    out = world.root / "out"
+    elsewhere = world.root / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("precious")
+    if occupant == "file":
+        out.write_text("precious")
+    elif occupant == "foreign-dir":
+        out.mkdir()
+        (out / "thesis.tex").write_text("precious")
+    else:
+        out.symlink_to(elsewhere if occupant == "symlink-to-dir" else elsewhere / "keep.txt")
+    before = snapshot(world.root)
+    with pytest.raises(OutputExistsError) as raised:
+        convert_gguf(gguf_path, out, progress=False)
+    assert "\n" not in str(raised.value) and str(out) in str(raised.value)
+    assert snapshot(world.root) == before
+
+
+def test_read_only_cache_is_one_line_naming_the_path(world, monkeypatch):
+    # /sys refuses new directories even to root (EPERM): a read-only cache location.
+    monkeypatch.setenv("MLXSPEC_HOME", "/sys/mlxspec-hostile-test")
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    result = run([*GENERATE, gguf_path])
+    assert_one_error_line(result, "/sys/mlxspec-hostile-test")
+
+
+def test_full_disk_during_conversion_is_one_line_and_leaves_no_partial(world, monkeypatch):
+    import errno
+
+    from mlxspec import gguf
+
+    def disk_full(path, *args, **kwargs):
+        path.write_bytes(b"half a model")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(gguf, "save_weights", disk_full)
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    before = snapshot(world.root)
+    result = run([*GENERATE, gguf_path])
+    line = assert_one_error_line(result, "no space left")
+    assert str(world.root / "home" / "gguf") in line
+    assert snapshot(world.root) == before
+    assert list((world.root / "home" / "gguf").iterdir()) == []
+
+
+def test_cache_home_that_is_a_file_is_one_line(world, monkeypatch):
+    home = _touch(world.root / "not-a-dir")
+    monkeypatch.setenv("MLXSPEC_HOME", str(home))
+    result = run([*GENERATE, write_tiny_gguf(world.root / "m.gguf")])
+    assert_one_error_line(result, str(home))
+
+
+def test_stale_partials_of_dead_processes_are_cleaned_live_ones_kept(world):
+    gguf_dir = world.root / "home" / "gguf"
+    gguf_dir.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = gguf_dir / f".m-0123.{dead}.abc_12.partial"
+    old = gguf_dir / f".m-0123.{dead}.xyz.old"
+    live = gguf_dir / f".m-0123.{os.getpid()}.def.partial"
+    foreign = gguf_dir / "user-notes.partial"  # not ours: never touched
+    for d in (stale, old, live, foreign):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    result = run(["models"])
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and not old.exists()
+    assert live.exists() and foreign.exists()
+
+
+def test_models_survives_non_utf8_cache_files_and_shows_the_cache_size(world):
+    converted = world.root / "home" / "gguf" / "m-0123"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    (converted / "source.txt").write_bytes(b"/models/caf\xe9.gguf\n")
+    (world.root / "home" / os.fsdecode(b"bad-\xff-name")).write_bytes(b"x" * 300_000)
+    result = run(["models"])
+    assert result.exit_code == 0, result.output
+    assert "caf\ufffd.gguf" in result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == "cache:" and lines[1].strip().endswith("MB)")
+    assert str(world.root / "home") in lines[1]
+    result = run(["models", "--json"])
+    assert result.exit_code == 0
+    rows = json.loads(result.stdout)
+    assert rows[0]["kind"] == "cache" and float(rows[0]["detail"].split()[0]) >= 0.3
+
+
+def test_usage_errors_are_one_line_not_clicks_four(world):
+    result = run(["generate", "--temp"])
+    assert_one_error_line(result, "--temp")
+    assert "Usage:" not in result.output and "Try " not in result.output
+
+
+def _wait_for_stdin_read(process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Wait until ``process`` blocks reading its standard input (start-up is over)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fields = Path(f"/proc/{process.pid}/syscall").read_text().split()
+        except OSError:
+            fields = []
+        if fields[:2] == ["0", "0x0"]:  # read(0, ...)
+            return
+        if process.poll() is not None:
+            raise AssertionError(process.communicate())
+        time.sleep(0.05)
+    raise AssertionError("the command never read its standard input")
+
+
+def _wait_for_mapping(process: subprocess.Popen, path: Path, timeout: float = 120.0) -> None:
+    """Wait until ``process`` has memory-mapped ``path`` (a GGUF file being converted)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if str(path) in Path(f"/proc/{process.pid}/maps").read_text():
+                return
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise AssertionError(process.communicate())
+        time.sleep(0.02)
+    raise AssertionError(f"the command never mapped {path}")
+
+
+@pytest.mark.parametrize("when", ["waiting-for-input", "converting-the-model"])
+def test_ctrl_c_during_start_up_exits_130_quietly(tmp_path, tiny_source, when):
+    """A real process and a real SIGINT, once it waits for its prompt on stdin and once while it
+    converts the default model's GGUF: exit status 130, no traceback, no half-written cache."""
+    from mlxspec.load import default_model_path
+
+    home = tmp_path / "home"
+    model = str(tiny_source) if when == "waiting-for-input" else str(default_model_path())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxspec.cli.main", "generate", "-m", model, "-p", "-"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "MLXSPEC_HOME": str(home)},
+    )
+    if when == "waiting-for-input":
+        _wait_for_stdin_read(process)
+    else:
+        process.stdin.write(b"hello")
+        process.stdin.close()
+        process.stdin = None  # (so that communicate does not flush it)
+        _wait_for_mapping(process, default_model_path())
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err.decode()
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
+    conversions = home / "gguf"
+    assert not conversions.exists() or list(conversions.iterdir()) == []
