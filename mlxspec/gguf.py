@@ -22,13 +22,11 @@ The tokenizer is rebuilt from the metadata by ``mlxspec.gguf_tokenizer``.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import mmap
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -44,8 +42,19 @@ from gguf.quants import dequantize
 from mlxspec.errors import (
     CorruptModelError,
     NotWritableError,
-    OutputExistsError,
     UnsupportedModelError,
+)
+from mlxspec.gguf_checks import (
+    MARKER,
+    NOT_WRITABLE,
+    check_loads,
+    check_replaceable,
+    check_shapes,
+    clean_stale_work_dirs,
+    is_int,
+    positive_int,
+    positive_number,
+    work_dir_prefix,
 )
 from mlxspec.gguf_tokenizer import (
     build_tokenizer,
@@ -53,17 +62,9 @@ from mlxspec.gguf_tokenizer import (
     eos_token_ids,
     tokenizer_config,
 )
-from mlxspec.model_checks import check_vocabulary
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
 CONVERTER_VERSION = 1
-# Written into every converted directory: convert_gguf replaces only directories that hold it.
-MARKER = ".mlxspec-conversion"
-# Work directories beside the output: ".<name>.<pid>.<random>.partial" (being written) and
-# ".<name>.<pid>.<random>.old" (a replaced conversion being deleted).
-_WORK_DIR = re.compile(r"^\..+\.(?P<pid>\d+)\.[a-z0-9_]+\.(partial|old)$")
-_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
-                 errno.ENOTDIR, errno.EEXIST}
 
 
 # -- reading a GGUF file --------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise CorruptModelError(f"{path} is truncated or corrupt (header: {e})") from None
 
     alignment = metadata.get("general.alignment", 32)
-    if not _is_int(alignment) or alignment <= 0 or alignment % 8:
+    if not is_int(alignment) or alignment <= 0 or alignment % 8:
         raise CorruptModelError(
             f"{path}: general.alignment is {alignment!r}, not a positive multiple of 8"
         )
@@ -205,10 +206,6 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for name, dims, type_id, offset in index:
         tensors[name] = _tensor(path, buf, name, dims, type_id, data_start, offset, alignment)
     return GGUFFile(metadata, tensors)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _tensor(path, buf, name, dims, type_id, data_start, offset, alignment) -> GGUFTensor:
@@ -290,46 +287,22 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _int(meta: dict, key: str, default: int | None = None) -> int:
-    """A positive integer field (a size or a count)."""
-    value = meta.get(key, default)
-    if value is None:
-        raise CorruptModelError(f"GGUF metadata has no {key}")
-    if isinstance(value, list) and value and all(_is_int(v) for v in value):
-        # a per-layer list: layers of different shapes
-        raise UnsupportedModelError(f"GGUF {key} varies per layer, which mlx-lm does not support")
-    if not _is_int(value) or value <= 0:
-        raise CorruptModelError(f"GGUF metadata {key} is {value!r}, not a positive integer")
-    return value
-
-
-def _number(meta: dict, key: str, default: float | None = None) -> float:
-    """A positive finite number field (an epsilon, a RoPE base)."""
-    value = meta.get(key, default)
-    if value is None:
-        raise CorruptModelError(f"GGUF metadata has no {key}")
-    if not (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):
-        raise CorruptModelError(f"GGUF metadata {key} is {value!r}, not a positive number")
-    return float(value)
-
-
 def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
-    heads = _int(meta, f"{arch}.attention.head_count")
-    hidden = _int(meta, f"{arch}.embedding_length")
-    kv_heads = _int(meta, f"{arch}.attention.head_count_kv", heads)
+    heads = positive_int(meta, f"{arch}.attention.head_count")
+    hidden = positive_int(meta, f"{arch}.embedding_length")
+    kv_heads = positive_int(meta, f"{arch}.attention.head_count_kv", heads)
     if f"{arch}.attention.key_length" not in meta and hidden % heads:
         raise CorruptModelError(
             f"GGUF head count {heads} does not divide the embedding length {hidden}"
         )
     if heads % kv_heads:
         raise CorruptModelError(f"GGUF KV head count {kv_heads} does not divide {heads} heads")
-    head_dim = _int(meta, f"{arch}.attention.key_length", hidden // heads)
+    head_dim = positive_int(meta, f"{arch}.attention.key_length", hidden // heads)
     if head_dim % 2:
         raise CorruptModelError(f"GGUF head size {head_dim} is odd; RoPE needs pairs")
-    if _int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
+    if positive_int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF key and value head sizes differ; mlx-lm needs them equal")
-    if _int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+    if positive_int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF model applies RoPE to part of each head; not supported")
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError("GGUF model has per-frequency RoPE factors (Llama 3.1 style)")
@@ -338,14 +311,14 @@ def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
     return {
         "hidden_size": hidden,
         "num_hidden_layers": _block_count(meta, arch, gguf),
-        "intermediate_size": _int(meta, f"{arch}.feed_forward_length"),
+        "intermediate_size": positive_int(meta, f"{arch}.feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _number(meta, f"{arch}.rope.freq_base", 10000.0),
+        "rms_norm_eps": positive_number(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": positive_number(meta, f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch),
-        "max_position_embeddings": _int(meta, f"{arch}.context_length"),
+        "max_position_embeddings": positive_int(meta, f"{arch}.context_length"),
         "vocab_size": gguf.tensors["token_embd.weight"].shape[0],
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
     }
@@ -353,7 +326,7 @@ def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
 
 def _block_count(meta: dict, arch: str, gguf: GGUFFile) -> int:
     """``{arch}.block_count``, which must match the ``blk.<i>`` tensors the file holds."""
-    count = _int(meta, f"{arch}.block_count")
+    count = positive_int(meta, f"{arch}.block_count")
     found = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
     if count != len(found) or found != {str(i) for i in range(count)}:
         raise CorruptModelError(
@@ -365,7 +338,7 @@ def _block_count(meta: dict, arch: str, gguf: GGUFFile) -> int:
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = _number(meta, f"{arch}.rope.scaling.factor", 1.0)
+    factor = positive_number(meta, f"{arch}.rope.scaling.factor", 1.0)
     if kind == "none" or factor == 1.0:
         return None
     if kind == "linear":
@@ -394,7 +367,7 @@ def _gemma3_config(meta: dict, gguf: GGUFFile) -> dict:
         "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
         if big
         else config["head_dim"],
-        "sliding_window": _int(meta, "gemma3.attention.sliding_window"),
+        "sliding_window": positive_int(meta, "gemma3.attention.sliding_window"),
         "sliding_window_pattern": 6,  # every 6th layer attends globally
         "rope_local_base_freq": 10000.0,  # RoPE base of the sliding-window layers
     }
@@ -490,9 +463,11 @@ def convert_gguf(
 
     Args:
         gguf_path: a llama.cpp GGUF file (architecture llama or gemma3).
-        out_dir: the directory to create; an existing one is replaced. The output is written into
-            a temporary sibling directory and renamed into place, so an interrupted conversion
-            leaves nothing at ``out_dir``.
+        out_dir: the directory to create. An existing one is replaced only if it is empty or an
+            earlier mlxspec conversion (it holds ``MARKER``); anything else raises
+            OutputExistsError untouched. The output is written into a work directory beside it,
+            checked to load, and renamed into place, so an interrupted or failed conversion leaves
+            nothing at ``out_dir``.
         dtype: dtype of the dequantized matrices ("float32", "float16" or "bfloat16"); norms stay
             float32.
         progress: show a progress bar while dequantizing.
@@ -501,8 +476,11 @@ def convert_gguf(
         ``out_dir``.
 
     Raises:
-        CorruptModelError: the file is unreadable, truncated or lacks required metadata.
+        CorruptModelError: the file is unreadable, truncated, or any field is invalid (every
+            metadata field and tensor shape is checked before anything is written).
         UnsupportedModelError: the architecture, a tensor type or the tokenizer is not supported.
+        OutputExistsError: ``out_dir`` holds something mlxspec did not create.
+        NotWritableError: ``out_dir``'s parent is read-only or full.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise UnsupportedModelError(
@@ -530,14 +508,16 @@ def convert_gguf(
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
-    _check_shapes(gguf, arch, config)
+    check_shapes(
+        {_hf_name(name, arch.layer_names): t.shape for name, t in gguf.tensors.items()}, config
+    )
     tokenizer = build_tokenizer(meta)
 
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     try:
         _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress)
     except OSError as e:
-        if e.errno not in _NOT_WRITABLE:
+        if e.errno not in NOT_WRITABLE:
             raise
         raise NotWritableError(
             f"cannot write the converted model to {out_dir.parent}: {e.strerror}; free some "
@@ -546,52 +526,11 @@ def convert_gguf(
     return out_dir
 
 
-def _check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace anything at ``out_dir`` that this converter did not create (an empty
-    directory is fine): a file, a symlink, or a directory without the marker."""
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    ours = out_dir.is_dir() and not out_dir.is_symlink() and (
-        (out_dir / MARKER).is_file() or not any(out_dir.iterdir())
-    )
-    if not ours:
-        raise OutputExistsError(
-            f"{out_dir} exists and is not a conversion made by mlxspec: nothing was changed; "
-            "remove it or choose another output directory"
-        )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def clean_stale_work_dirs(parent: Path) -> list[Path]:
-    """Delete the ``.partial``/``.old`` work directories in ``parent`` whose converting process
-    is gone (killed mid-conversion); returns what was deleted. Live conversions are left alone."""
-    removed = []
-    try:
-        entries = list(parent.iterdir())
-    except OSError:  # no cache yet, or one we cannot read: nothing to clean
-        return removed
-    for entry in entries:
-        m = _WORK_DIR.match(entry.name)
-        if m and entry.is_dir() and not entry.is_symlink() and not _alive(int(m["pid"])):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
 def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress) -> None:
     """Write everything into a work directory beside ``out_dir``, then rename it into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_work_dirs(out_dir.parent)
-    prefix = f".{out_dir.name}.{os.getpid()}."
+    prefix = work_dir_prefix(out_dir)
     staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
@@ -600,8 +539,8 @@ def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progr
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
         (staging / MARKER).write_text(f"mlxspec GGUF conversion, converter {CONVERTER_VERSION}\n")
-        _check_loads(staging)
-        _check_replaceable(out_dir)  # again: something may have appeared meanwhile
+        check_loads(staging)
+        check_replaceable(out_dir)  # again: something may have appeared meanwhile
         if out_dir.exists():  # replace: move the old one aside first, delete it after
             old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=out_dir.parent))
             os.replace(out_dir, old / "dir")
@@ -612,52 +551,6 @@ def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progr
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _check_shapes(gguf: GGUFFile, arch: Architecture, config: dict) -> None:
-    """Every tensor the mlx-lm model class expects is in the file with the expected shape, and
-    nothing else is: checked on a lazily built model (no weights are allocated), before any slow
-    work or any write."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    try:
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-    except (ValueError, TypeError, KeyError, AssertionError, ZeroDivisionError) as e:
-        raise CorruptModelError(f"GGUF metadata does not describe a valid model: {e}") from None
-    import mlx.core as mx
-
-    found = {_hf_name(name, arch.layer_names): t.shape for name, t in gguf.tensors.items()}
-    if hasattr(model, "sanitize"):  # as mlx-lm's loader does (it may drop a tied lm_head)
-        # mx.zeros is lazy: these placeholders never allocate their (possibly huge) shapes.
-        placeholders = model.sanitize({k: mx.zeros(v, mx.float16) for k, v in found.items()})
-        found = {k: tuple(v.shape) for k, v in placeholders.items()}
-    expected = {name: tuple(w.shape) for name, w in tree_flatten(model.parameters())}
-    for name, shape in found.items():
-        if name not in expected:
-            raise CorruptModelError(f"GGUF tensor for {name} does not belong in this model")
-        if tuple(shape) != expected[name]:
-            raise CorruptModelError(
-                f"GGUF tensor for {name} has shape {tuple(shape)}, but the metadata implies "
-                f"{expected[name]}"
-            )
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CorruptModelError(f"GGUF file lacks the tensor for {missing[0]}")
-
-
-def _check_loads(model_dir: Path) -> None:
-    """Load the converted directory as mlx-lm would (lazily: no weights read) and its tokenizer:
-    a conversion that cannot load is never put in place."""
-    from mlx_lm.utils import load_model, load_tokenizer
-
-    try:
-        model, config = load_model(model_dir, lazy=True)
-        tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    except Exception as e:  # tokenizers and transformers raise their own exception types
-        raise CorruptModelError(f"the converted model does not load: {e}") from None
-    check_vocabulary(model, tokenizer, config, "the GGUF file")
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -156,7 +156,8 @@ def _looks_like_repo_id(spec: str) -> bool:
 
 
 def _gguf_directory(gguf_path: Path, *, progress: bool) -> Path:
-    from mlxspec.gguf import clean_stale_work_dirs, convert_gguf, gguf_cache_key
+    from mlxspec.gguf import convert_gguf, gguf_cache_key
+    from mlxspec.gguf_checks import clean_stale_work_dirs
 
     out_dir = paths.home() / "gguf" / gguf_cache_key(gguf_path)
     clean_stale_work_dirs(out_dir.parent)  # conversions killed before they finished

@@ -19,8 +19,8 @@ from mlx_lm.utils import load_tokenizer
 from mlxspec.cli.main import cli
 from tiny_models import make_tiny_model, quantized_copy
 
+from mlxspec import card, hub
 from mlxspec import eval as ev
-from mlxspec import hub
 from mlxspec.errors import EvaluationError, HubError
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
@@ -194,7 +194,7 @@ def test_card_recommends_a_draft_and_names_the_base_model(tmp_path):
         "source_model": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     }
     (model / "config.json").write_text(json.dumps(config))
-    meta, body = hub.model_card(model, "me/smollm2-1.7b-q4").split("---\n", 2)[1:]
+    meta, body = card.model_card(model, "me/smollm2-1.7b-q4").split("---\n", 2)[1:]
     meta = yaml.safe_load(meta)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     assert meta["base_model_relation"] == "quantized"
