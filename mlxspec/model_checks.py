@@ -116,7 +116,12 @@ def embedding_rows(model) -> int | None:
 
 def tokenizer_ids(tokenizer) -> int:
     """Number of ids the tokenizer can produce: its largest id + 1, added tokens included."""
-    vocab = tokenizer.get_vocab()
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps HF's
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: no 262k-entry dict needed
+        added = backend.get_added_tokens_decoder()
+        return max(backend.get_vocab_size(with_added_tokens=False), max(added, default=-1) + 1)
+    vocab = hf.get_vocab()
     return max(vocab.values()) + 1 if vocab else 0
 
 
