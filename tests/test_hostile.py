@@ -37,7 +37,8 @@ from hub_server import TOKENS, HubServer
 from mlxspec.cli.main import cli
 from tiny_models import (
     make_tiny_model,
-    patch_tensor_dims,
+    patch_gguf_header,
+    patch_tensor_info,
     write_nested_array_gguf,
     write_tiny_gguf,
 )
@@ -239,12 +240,26 @@ def _gguf_case(id: str, match: str, **kwargs) -> Case:
                 match)
 
 
-def _patched_gguf(id: str, tensor: str, dims: list[int], match: str, **kwargs) -> Case:
+def _patched_gguf(id: str, tensor: str, dims: list[int] | None, match: str, type_id=None,
+                  offset=None, **kwargs) -> Case:
     def build(w: World) -> list:
         path = write_tiny_gguf(w.root / "m.gguf", **kwargs)
-        return [*GENERATE, patch_tensor_dims(path, tensor, dims)]
+        return [*GENERATE, patch_tensor_info(path, tensor, dims, type_id, offset)]
 
     return Case(f"gguf-{id}", build, match)
+
+
+def _header_gguf(id: str, match: str, **fields: int) -> Case:
+    def build(w: World) -> list:
+        return [*GENERATE, patch_gguf_header(write_tiny_gguf(w.root / "m.gguf"), **fields)]
+
+    return Case(f"gguf-{id}", build, match)
+
+
+def _duplicate_tensor_gguf(w: World) -> list:
+    path = write_tiny_gguf(w.root / "m.gguf")
+    path.write_bytes(path.read_bytes().replace(b"blk.1.ffn_up.weight", b"blk.0.ffn_up.weight", 1))
+    return [*GENERATE, path]
 
 
 def _truncated_gguf(w: World) -> list:
@@ -268,6 +283,21 @@ GGUF_CASES = [
     _patched_gguf("dims-zero", "blk.0.attn_q.weight", [64, 0], "dimensions"),
     _patched_gguf("q4_0-narrower-than-block", "blk.0.ffn_down.weight", [16, 256], "Q4_0 blocks",
                   q4_0=("blk.0.ffn_down.weight",)),
+    _patched_gguf("unknown-tensor-type", "blk.0.attn_q.weight", None, "type id",
+                  type_id=200),
+    _patched_gguf("misaligned-offset", "blk.0.attn_q.weight", None, "aligned", offset=3),
+    _patched_gguf("offset-past-end", "output_norm.weight", None, "truncated", offset=2**40),
+    _header_gguf("version-1", "version 1", version=1),
+    _header_gguf("kv-count-huge", "m.gguf", n_kv=2**62),
+    _header_gguf("tensor-count-huge", "m.gguf", n_tensors=2**62),
+    _header_gguf("key-length-huge", "m.gguf", first_key_length=2**62),
+    _header_gguf("unknown-value-type", "m.gguf", first_type=99),
+    _gguf_case("chat-template-number", "chat_template",
+               meta={"tokenizer.chat_template": (7, T.UINT32)}),
+    _gguf_case("tokenizer-model-bert", "tokenizer model",
+               meta={"tokenizer.ggml.model": ("bert", T.STRING)}),
+    _gguf_case("rope-scaling-yarn", "yarn", meta={"llama.rope.scaling.type": ("yarn", T.STRING),
+                                                  "llama.rope.scaling.factor": (4.0, T.FLOAT32)}),
     _gguf_case("eos-out-of-range", "eos_token_id",
                meta={"tokenizer.ggml.eos_token_id": (5000, T.UINT32)}),
     _gguf_case("bos-negative", "bos_token_id",
@@ -300,6 +330,9 @@ GGUF_CASES = [
     _gguf_case("wrong-shape", "shape", shapes={"blk.0.attn_q.weight": (32, 64)}),
     _gguf_case("no-embedding", "token_embd", drop=("token_embd.weight",)),
     Case("gguf-truncated", _truncated_gguf, "truncated"),
+    Case("gguf-duplicate-tensor-names", _duplicate_tensor_gguf, "same name"),
+    Case("gguf-is-a-directory", lambda w: [*GENERATE, _mkdir_path(w.root / "dir.gguf")],
+         "not found"),
     Case("gguf-not-gguf", lambda w: [*GENERATE, _touch(w.root / "m.gguf", b"hello\n" * 10)],
          "not a GGUF file"),
     Case("gguf-empty", lambda w: [*GENERATE, _touch(w.root / "m.gguf", b"")], "m.gguf"),
@@ -339,6 +372,11 @@ def _link(name: str, target: Callable[[World], Path], replace: bool = False):
 def _mkdir(path: Path) -> list:
     path.mkdir()
     return []
+
+
+def _mkdir_path(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 def _setenv(name: str, value: str | None) -> list:
@@ -398,6 +436,7 @@ UPLOAD_CASES = [
         {"results": GOOD_RESULTS, "verdict": {"passed": "yes"}}), "passed"),
     _upload_case("weights-header-corrupt", _add("model.safetensors", b"\xff" * 64), "safetensors"),
     _upload_case("config-list", _add("config.json", b"[1, 2]"), "not an object"),
+    Case("upload-folder-missing", lambda w: ["upload", w.root / "nope", "me/tiny"], "not found"),
     Case("upload-repo-id-spaces", lambda w: ["upload", w.model(), "me/bad name"],
          "invalid repo id"),
     Case("upload-repo-id-three-parts", lambda w: ["upload", w.model(), "a/b/c"],

@@ -221,17 +221,41 @@ def write_tiny_gguf(
     return path
 
 
-def patch_tensor_dims(path: Path, name: str, dims: list[int]) -> Path:
-    """Rewrite the dimensions (ggml order, fastest first) of tensor ``name`` in a GGUF header in
-    place; the number of dimensions must stay the same."""
+def patch_tensor_info(
+    path: Path, name: str, dims: list[int] | None = None, type_id: int | None = None,
+    offset: int | None = None,
+) -> Path:
+    """Rewrite fields of tensor ``name``'s entry in a GGUF header in place: its dimensions (ggml
+    order, fastest first; as many as before), its type id or its data offset."""
     import struct
 
     data = bytearray(path.read_bytes())
     key = struct.pack("<Q", len(name)) + name.encode()
     at = data.index(key) + len(key)
     (n_dims,) = struct.unpack_from("<I", data, at)
-    assert n_dims == len(dims), (n_dims, dims)
-    struct.pack_into(f"<{n_dims}Q", data, at + 4, *dims)
+    if dims is not None:
+        assert n_dims == len(dims), (n_dims, dims)
+        struct.pack_into(f"<{n_dims}Q", data, at + 4, *dims)
+    if type_id is not None:
+        struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    if offset is not None:
+        struct.pack_into("<Q", data, at + 8 + 8 * n_dims, offset)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def patch_gguf_header(path: Path, **fields: int) -> Path:
+    """Rewrite header fields in place: ``version``, ``n_tensors``, ``n_kv``, or ``first_type``
+    (the value type of the first metadata entry) / ``first_key_length``."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (key_length,) = struct.unpack_from("<Q", data, 24)
+    where = {"version": (4, "<I"), "n_tensors": (8, "<Q"), "n_kv": (16, "<Q"),
+             "first_key_length": (24, "<Q"), "first_type": (32 + key_length, "<I")}
+    for field, value in fields.items():
+        at, fmt = where[field]
+        struct.pack_into(fmt, data, at, value)
     path.write_bytes(bytes(data))
     return path
 
