@@ -1,8 +1,8 @@
 """The model card (README.md) mlxspec uploads with a model: it states the model's quality.
 
-:func:`model_card` writes YAML metadata (``library_name: mlx``, tags, ``base_model``,
-``pipeline_tag``, the source's license), the quantization (method, bits, group size, format, bits
-per weight, size on disk), the evaluation table from ``mlxspec_eval.json`` (checked field by field
+:func:`model_card` writes YAML metadata (``library_name: mlx`` when mlx-lm loads the weights,
+tags, ``base_model``, ``pipeline_tag``, the source's license), the quantization (method, bits,
+group size, format, bits per weight, size on disk, which tools load it), the evaluation table from ``mlxspec_eval.json`` (checked field by field
 by :func:`evaluation_record`: a tampered record is a clear error, never a KeyError), a recommended
 draft model when the recipes know one, and usage snippets. Everything here reads local files only.
 """
@@ -241,6 +241,24 @@ def recommended_draft(base_model: str | None) -> dict[str, Any] | None:
 # -- the model card -----------------------------------------------------------------------------
 
 
+def mlx_lm_loadable(config: dict[str, Any]) -> tuple[bool, str]:
+    """Whether plain mlx-lm (and every MLX tool reading its layout) loads this model, and why:
+    ``(loadable, reason)``, the reason one sentence for the card.
+
+    Transitional: branch quant defines this in ``mlxspec.quant.storage`` (with the exactness of
+    the affine encoding); at merge this copy is replaced by that import.
+    """
+    q = quantization(config)
+    if q is None:
+        return True, "unquantized weights"
+    if q.get("format") == "zp":
+        why = q.get("reason") or "integer zero-points in mlxspec's own layout"
+        return False, f"mlxspec zero-point format ({why}): only mlxspec loads it"
+    if "quant_method" in q and "quantization" not in config:
+        return False, f"a {q['quant_method']} checkpoint: mlx-lm does not load it, mlxspec does"
+    return True, "MLX affine layout: loaded by mlx-lm and other MLX tools"
+
+
 def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:
     q = quantization(config)
     stats = weight_stats(model_dir, config)
@@ -258,6 +276,7 @@ def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:
         ("bits per weight", f"{_bits_per_weight(q, stats):.3f}"),
         ("size on disk", size),
     ]
+    rows.append(("loads in", mlx_lm_loadable(config)[1]))
     lines = ["## Quantization", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows if v is not None]
     return lines + [""]
@@ -323,7 +342,7 @@ def _draft_section(base_model: str | None) -> list[str]:
 
 
 def _usage_section(repo_id: str, config: dict[str, Any], draft: str | None) -> list[str]:
-    q = quantization(config)
+    loadable, reason = mlx_lm_loadable(config)
     lines = [
         "## Use with mlxspec", "",
         "```bash", "pip install mlxspec", f"mlxspec chat --model {repo_id}",
@@ -339,7 +358,7 @@ def _usage_section(repo_id: str, config: dict[str, Any], draft: str | None) -> l
         'print(generate(model, tokenizer, "Write a haiku about the sea", max_tokens=64))',
         "```", "",
     ]
-    if q is None or q.get("format") in MLX_LM_FORMATS:
+    if loadable:
         lines += [
             "## Use with mlx-lm", "",
             "```bash", "pip install mlx-lm",
@@ -347,8 +366,7 @@ def _usage_section(repo_id: str, config: dict[str, Any], draft: str | None) -> l
             "```", "",
         ]
     else:
-        lines += [f"The `{q.get('format')}` format needs mlxspec's loader: plain mlx-lm cannot "
-                  "load these weights.", ""]
+        lines += [f"Plain mlx-lm cannot load these weights: {reason}.", ""]
     return lines
 
 
@@ -363,9 +381,11 @@ def model_card(
     q = quantization(config)
     origin = provenance(model_dir, config)
     base = origin["base_model"]
-    tags = ["mlx", "mlxspec"] + ([f"{q.get('bits')}-bit", "quantized"] if q else [])
+    loadable = mlx_lm_loadable(config)[0]
+    tags = (["mlx"] if loadable else []) + ["mlxspec"]
+    tags += [f"{q.get('bits')}-bit", "quantized"] if q else []
     data = ModelCardData(
-        library_name="mlx",
+        library_name="mlx" if loadable else None,  # the Hub's "Use in MLX" means mlx-lm
         pipeline_tag="text-generation",
         license=origin["license"],
         base_model=base,

@@ -100,6 +100,7 @@ def test_upload_sends_the_files_byte_identical_with_a_parsable_card(models, hub_
     assert "| bits | 8 |" in body and "| group size | 32 |" in body
     assert "Quality gate: **PASS" in body and "--force" not in body
     assert "mlx_lm.generate --model me/tiny-q8" in body  # mlx-lm affine: plain mlx-lm loads it
+    assert "| loads in | MLX affine layout" in body
     # the token went only into the Authorization header
     assert all(auth in (None, f"Bearer {TOKEN}") for _, _, auth in hub_env.requests)
 
@@ -200,7 +201,9 @@ def test_card_recommends_a_draft_and_names_the_base_model(tmp_path):
     assert meta["base_model_relation"] == "quantized"
     assert "--draft-model HuggingFaceTB/SmolLM2-135M-Instruct" in body
     assert "| method | gptq |" in body and "| format | mlxspec zero-point `zp`" in body
-    assert "plain mlx-lm cannot load" in body
+    assert "Plain mlx-lm cannot load these weights: mlxspec zero-point format" in body
+    assert "## Use with mlx-lm" not in body and meta.get("library_name") is None
+    assert "| loads in | mlxspec zero-point format" in body
     assert "No evaluation results" in body
 
 
