@@ -20,10 +20,11 @@ from mlxspec.errors import CorruptModelError
 POSITIVE_INTS = (
     "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim",
-    "sliding_window", "num_local_experts", "num_experts_per_tok",
+    "num_local_experts", "num_experts_per_tok",
 )
 POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "rope_theta")
-TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+# (pad_token_id is left alone: old Llama configs set it to -1.)
+TOKEN_IDS = ("eos_token_id", "bos_token_id")
 QUANTIZATION_KEYS = ("quantization", "quantization_config")
 
 
@@ -75,10 +76,10 @@ def _problem(config: Any) -> str | None:
 def _quantization_problem(key: str, q: Any) -> str | None:
     if not isinstance(q, dict):
         return f"\"{key}\" must be an object, not a {_kind(q)}"
-    for field in ("bits", "group_size"):
-        if field in q and not _positive_int(q[field]):
-            return f"\"{key}.{field}\" must be a positive integer, not {q[field]!r}"
-    if key == "quantization":
+    if key == "quantization":  # mlx-lm's own record (quantization_config's GPTQ uses -1 groups)
+        for field in ("bits", "group_size"):
+            if field in q and not _positive_int(q[field]):
+                return f"\"{key}.{field}\" must be a positive integer, not {q[field]!r}"
         for name, layer in q.items():
             if isinstance(layer, dict):
                 for field in ("bits", "group_size"):
