@@ -228,8 +228,17 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def _check_tokenizer_files(model_dir: Path) -> None:
-    """Refuse tokenizer files that are not JSON objects before transformers trips over them."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    """Refuse tokenizer files that are not JSON objects before transformers trips over them
+    (tokenizer.json, up to 30 MB, only by its first byte: the tokenizer load checks the rest)."""
+    tokenizer_json = model_dir / "tokenizer.json"
+    if tokenizer_json.is_file():
+        with tokenizer_json.open("rb") as f:
+            if f.read(4096).lstrip()[:1] != b"{":
+                raise CorruptModelError(
+                    f"{tokenizer_json} is not a JSON object: not a tokenizer file; restore it "
+                    "from the original model"
+                )
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = model_dir / name
         if not path.is_file():
             continue

@@ -175,6 +175,9 @@ CONFIG_CASES = [
     _file_case("config-nested-100k", "config.json", b"[" * 100_000, "config.json"),
     _file_case("tokenizer-json-list", "tokenizer.json", b"[]", "tokenizer.json"),
     _file_case("tokenizer-json-garbage", "tokenizer.json", b"\x00\x01garbage", "tokenizer.json"),
+    _file_case("tokenizer-json-wrong-object", "tokenizer.json", b'{"model": 5}', "tokenizer"),
+    _file_case("tokenizer-json-truncated", "tokenizer.json", b'{"version": "1.0", "added_tok',
+               "tokenizer"),
     _file_case("tokenizer-config-list", "tokenizer_config.json", b"[1]", "tokenizer_config.json"),
     _file_case("safetensors-garbage", "model.safetensors", b"garbage" * 100, "model"),
 ]
