@@ -10,7 +10,8 @@ import click
 @click.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(as_json):
-    """List the embedded default model, converted GGUF models, Hub downloads and recipes.
+    """List mlxspec's cache (and its size), the embedded default model, converted GGUF models,
+    Hub downloads and recipes.
 
     \b
     Example:
@@ -22,7 +23,7 @@ def command(as_json):
     if as_json:
         click.echo(json.dumps(entries, indent=2))
         return
-    for section in ("default", "converted", "hub", "recipe"):
+    for section in ("cache", "default", "converted", "hub", "recipe"):
         rows = [e for e in entries if e["kind"] == section]
         if not rows:
             continue

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 from mlxspec import paths
@@ -25,21 +27,53 @@ def known_pairs() -> list[dict[str, Any]]:
     return recipes().get("pairs", {}).get("pairs", [])
 
 
+def _printable(text: str) -> str:
+    """``text`` safe to print: undecodable bytes (from a non-UTF-8 file or file name) as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def cache_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` (symlinks not followed); 0 when it does not exist."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                stat = os.lstat(os.path.join(dirpath, name))
+            except OSError:  # removed meanwhile
+                continue
+            total += stat.st_size
+    return total
+
+
 def list_models() -> list[dict[str, str]]:
-    """Rows of ``{kind, name, detail}`` for ``mlxspec models``."""
-    rows = []
+    """Rows of ``{kind, name, detail}`` for ``mlxspec models``: mlxspec's cache and its size, the
+    default model, converted GGUFs, Hub downloads and recipes. Stale conversion work directories
+    (their process is gone) are deleted on the way."""
+    from mlxspec.gguf_checks import clean_stale_work_dirs
+
+    home = paths.home()
+    gguf_dir = home / "gguf"
+    try:
+        clean_stale_work_dirs(gguf_dir)
+    except OSError:  # an unreadable cache: listed below as far as possible
+        pass
+    rows = [{"kind": "cache", "name": _printable(str(home)),
+             "detail": f"{cache_bytes(home) / 1e6:.1f} MB"}]
     try:
         rows.append({"kind": "default", "name": DEFAULT_MODEL_NAME,
                      "detail": str(default_model_path())})
     except DefaultModelMissingError as e:
         rows.append({"kind": "default", "name": DEFAULT_MODEL_NAME, "detail": str(e)})
-    gguf_dir = paths.home() / "gguf"
     if gguf_dir.is_dir():
         for d in sorted(gguf_dir.iterdir()):
             if (d / "config.json").is_file():
                 source = d / "source.txt"
-                detail = source.read_text().strip() if source.is_file() else ""
-                rows.append({"kind": "converted", "name": str(d), "detail": detail})
+                try:
+                    detail = source.read_text(encoding="utf-8", errors="replace").strip()
+                except OSError:
+                    detail = ""
+                rows.append({"kind": "converted", "name": _printable(str(d)),
+                             "detail": _printable(detail)})
     try:
         from huggingface_hub import scan_cache_dir
 

@@ -50,3 +50,15 @@ class EvaluationError(MlxspecError):
 
 class HubError(MlxspecError):
     """A Hugging Face Hub operation failed (no token, no permission, conflict, network)."""
+
+
+class UnsafeUploadError(HubError):
+    """The folder to upload holds files that are not part of a model, or links leaving it."""
+
+
+class InvalidRepoIdError(HubError):
+    """A Hub repo id is malformed (what is wrong is in the message); nothing was contacted."""
+
+
+class NotWritableError(MlxspecError):
+    """A cache or output location cannot be written: read-only, no permission, or disk full."""

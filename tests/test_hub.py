@@ -19,8 +19,8 @@ from mlx_lm.utils import load_tokenizer
 from mlxspec.cli.main import cli
 from tiny_models import make_tiny_model, quantized_copy
 
+from mlxspec import card, hub
 from mlxspec import eval as ev
-from mlxspec import hub
 from mlxspec.errors import EvaluationError, HubError
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
@@ -100,6 +100,7 @@ def test_upload_sends_the_files_byte_identical_with_a_parsable_card(models, hub_
     assert "| bits | 8 |" in body and "| group size | 32 |" in body
     assert "Quality gate: **PASS" in body and "--force" not in body
     assert "mlx_lm.generate --model me/tiny-q8" in body  # mlx-lm affine: plain mlx-lm loads it
+    assert "| loads in | MLX affine layout" in body
     # the token went only into the Authorization header
     assert all(auth in (None, f"Bearer {TOKEN}") for _, _, auth in hub_env.requests)
 
@@ -174,7 +175,8 @@ def test_cli_upload_prints_one_line_errors_without_the_token(models, hub_env, mo
     monkeypatch.setenv("HF_TOKEN", "hf_secret_but_wrong")
     result = CliRunner().invoke(cli, ["upload", str(models["q8"]), "me/x"])
     assert result.exit_code == 2
-    assert result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert result.stdout.startswith("uploading to me/x")  # the file list comes first
     assert "hf_secret_but_wrong" not in result.output
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     result = CliRunner().invoke(cli, ["upload", str(models["q8"]), "me/x", "--private"])
@@ -193,13 +195,15 @@ def test_card_recommends_a_draft_and_names_the_base_model(tmp_path):
         "source_model": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     }
     (model / "config.json").write_text(json.dumps(config))
-    meta, body = hub.model_card(model, "me/smollm2-1.7b-q4").split("---\n", 2)[1:]
+    meta, body = card.model_card(model, "me/smollm2-1.7b-q4").split("---\n", 2)[1:]
     meta = yaml.safe_load(meta)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     assert meta["base_model_relation"] == "quantized"
     assert "--draft-model HuggingFaceTB/SmolLM2-135M-Instruct" in body
     assert "| method | gptq |" in body and "| format | mlxspec zero-point `zp`" in body
-    assert "plain mlx-lm cannot load" in body
+    assert "Plain mlx-lm cannot load these weights: mlxspec zero-point format" in body
+    assert "## Use with mlx-lm" not in body and meta.get("library_name") is None
+    assert "| loads in | mlxspec zero-point format" in body
     assert "No evaluation results" in body
 
 

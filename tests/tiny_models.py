@@ -128,3 +128,146 @@ def quantized_copy(src: Path, dst: Path, bits: int, group_size: int = 32) -> Pat
     model, config = quantize_model(model, config, group_size, bits)
     config["quantization"][SOURCE_KEY] = str(src)
     return save_tiny(model, config, dst)
+
+
+# -- tiny GGUF files -----------------------------------------------------------------------------
+
+GGUF_VOCAB = 258  # 256 byte tokens, "he", "<|endoftext|>"
+
+
+def gpt2_byte_spelling() -> list[str]:
+    """GPT-2's printable stand-in for each byte 0..255 (byte-level BPE token strings)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(
+    path: Path,
+    meta: dict | None = None,
+    drop: tuple[str, ...] = (),
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    n_tokens: int = GGUF_VOCAB,
+    q4_0: tuple[str, ...] = (),
+) -> Path:
+    """A 2-layer llama GGUF (hidden 64, 4 heads / 2 KV heads, byte-level vocabulary, float32
+    tensors), written with the ``gguf`` package in a few milliseconds.
+
+    Args:
+        meta: metadata to set or replace, ``{key: (value, GGUFValueType[, item type])}``.
+        drop: metadata keys or tensor names to leave out.
+        shapes: tensor shapes (numpy order) to use instead of the consistent ones.
+        n_tokens: vocabulary size (the embedding keeps 258 rows).
+        q4_0: tensors to store as Q4_0 blocks instead of float32.
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf.gguf_writer import GGUFValue
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    hidden, ffn, heads, kv_heads, layers = 64, 128, 4, 2, 2
+    tokens = gpt2_byte_spelling() + ["he", "<|endoftext|>"]
+    tokens += [f"<extra_{i}>" for i in range(n_tokens - len(tokens))]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3] + [1] * (n_tokens - GGUF_VOCAB))
+    writer.add_token_merges(["h e"])
+    writer.add_eos_token_id(257)
+    writer.add_bos_token_id(257)
+    for key, spec in (meta or {}).items():
+        writer.kv_data[0][key] = GGUFValue(spec[0], spec[1], spec[2] if len(spec) > 2 else None)
+    for key in drop:
+        writer.kv_data[0].pop(key, None)
+
+    def add(name: str, shape: tuple[int, ...]):
+        if name in drop:
+            return
+        shape = (shapes or {}).get(name, shape)
+        w = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if name in q4_0:
+            data = quantize(w, GGMLQuantizationType.Q4_0)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.Q4_0)
+        else:
+            writer.add_tensor(name, w)
+
+    add("token_embd.weight", (GGUF_VOCAB, hidden))
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (hidden,))
+        add(f"blk.{i}.attn_q.weight", (hidden, hidden))
+        add(f"blk.{i}.attn_k.weight", (hidden // heads * kv_heads, hidden))
+        add(f"blk.{i}.attn_v.weight", (hidden // heads * kv_heads, hidden))
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden))
+        add(f"blk.{i}.ffn_norm.weight", (hidden,))
+        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_up.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_down.weight", (hidden, ffn))
+    add("output_norm.weight", (hidden,))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _ = GGUFValueType  # (the type callers use for ``meta``)
+    return path
+
+
+def patch_tensor_info(
+    path: Path, name: str, dims: list[int] | None = None, type_id: int | None = None,
+    offset: int | None = None,
+) -> Path:
+    """Rewrite fields of tensor ``name``'s entry in a GGUF header in place: its dimensions (ggml
+    order, fastest first; as many as before), its type id or its data offset."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    if dims is not None:
+        assert n_dims == len(dims), (n_dims, dims)
+        struct.pack_into(f"<{n_dims}Q", data, at + 4, *dims)
+    if type_id is not None:
+        struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    if offset is not None:
+        struct.pack_into("<Q", data, at + 8 + 8 * n_dims, offset)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def patch_gguf_header(path: Path, **fields: int) -> Path:
+    """Rewrite header fields in place: ``version``, ``n_tensors``, ``n_kv``, or ``first_type``
+    (the value type of the first metadata entry) / ``first_key_length``."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (key_length,) = struct.unpack_from("<Q", data, 24)
+    where = {"version": (4, "<I"), "n_tensors": (8, "<Q"), "n_kv": (16, "<Q"),
+             "first_key_length": (24, "<Q"), "first_type": (32 + key_length, "<I")}
+    for field, value in fields.items():
+        at, fmt = where[field]
+        struct.pack_into(fmt, data, at, value)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def write_nested_array_gguf(path: Path, depth: int) -> Path:
+    """A GGUF header whose only metadata value is an array of arrays ``depth`` levels deep."""
+    import struct
+
+    array, uint32 = 9, 4  # GGUFValueType.ARRAY, UINT32
+    key = b"general.nested"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<I", array)
+    body += struct.pack("<IQ", array, 1) * (depth - 1) + struct.pack("<IQ", uint32, 1)
+    body += struct.pack("<I", 7)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    return path
