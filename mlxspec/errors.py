@@ -50,3 +50,7 @@ class EvaluationError(MlxspecError):
 
 class HubError(MlxspecError):
     """A Hugging Face Hub operation failed (no token, no permission, conflict, network)."""
+
+
+class InvalidArgumentError(MlxspecError):
+    """A generation argument is out of range (sampling, max_tokens, seed, token ids, context)."""
