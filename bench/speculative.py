@@ -37,7 +37,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlxspec.blas import blas_report
-from mlxspec.drafters import first_layers_copy, quantized_copy
+from mlxspec.speculative import first_layers_copy, quantized_copy
 from mlxspec.generate import stream_generate
 from mlxspec.load import load
 

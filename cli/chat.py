@@ -6,7 +6,12 @@ import sys
 
 import click
 from mlxspec.cli.common import model_option, sampling_options, stats_line
-from mlxspec.cli.speculative_options import load_draft, speculative_options
+from mlxspec.cli.speculative_options import (
+    check_text,
+    load_draft,
+    read_text,
+    speculative_options,
+)
 
 HELP = """commands:
   /reset         forget the conversation
@@ -17,12 +22,16 @@ HELP = """commands:
 
 
 def _read_line(interactive: bool) -> str | None:
-    """One line of user input, or None at end of input (Ctrl-D)."""
+    """One line of user input, or None at end of input (Ctrl-D).
+
+    Raises ``InvalidArgumentError`` for a line that is not valid UTF-8 (the caller reports it and
+    goes on with the conversation).
+    """
     try:
         if interactive:
-            return input(">> ")
-        line = sys.stdin.readline()
-        return line.rstrip("\n") if line else None
+            return check_text(input(">> "), "this line")
+        line = sys.stdin.buffer.readline()
+        return read_text(line, "this line").rstrip("\r\n") if line else None
     except EOFError:
         return None
 
@@ -49,30 +58,35 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     \b
     In the chat: /reset, /system TEXT, /stats, /help, /quit; Ctrl-C stops a reply, Ctrl-D exits.
     """
-    import mlx.core as mx
-
     from mlxspec.chat import ChatSession
+    from mlxspec.errors import MlxspecError
     from mlxspec.load import load, model_bytes
 
+    if system is not None:
+        check_text(system, "--system")
     nn_model, tokenizer = load(model)
     draft, draft_tokenizer = load_draft(draft_model)
-    if seed is not None:
-        mx.random.seed(seed)
     session = ChatSession(
         nn_model, tokenizer, system=system, max_kv_size=max_kv_size, max_tokens=max_tokens,
-        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, draft_model=draft,
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, draft_model=draft,
         draft_tokenizer=draft_tokenizer, num_draft_tokens=num_draft_tokens,
         prompt_lookup=prompt_lookup, ngram_max=ngram_max,
     )
     nbytes = model_bytes(nn_model)
     interactive = sys.stdin.isatty()
     if interactive:
+        sys.stdin.reconfigure(errors="surrogateescape")  # a bad line is reported, not fatal
         click.echo("mlxspec chat — /help for commands, Ctrl-D to exit.")
+    failed = False
     while True:
         try:
             line = _read_line(interactive)
         except KeyboardInterrupt:
             click.echo("\n(Ctrl-D or /quit exits)")
+            continue
+        except MlxspecError as e:
+            click.echo(f"error: {e}; the line was skipped", err=True)
+            failed = True
             continue
         if line is None or line.strip() in ("/quit", "/exit"):
             break
@@ -98,11 +112,19 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
                     click.echo(response.text, nl=False)
             except KeyboardInterrupt:
                 click.echo(" [interrupted]", nl=False)
+            except MlxspecError as e:  # this turn was refused; the conversation goes on
+                click.echo(f"error: {e}", err=True)
+                failed = True
+                continue
             finally:
                 reply.close()  # records the (partial) reply and re-syncs the cache
             click.echo()
             if live_stats and session.last:
                 click.echo(_stats(session, nbytes), err=True)
+
+
+    if failed:
+        sys.exit(2)
 
 
 def _stats(session, nbytes: int) -> str:

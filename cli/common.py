@@ -5,6 +5,8 @@ Imports nothing heavy: every command module is imported for ``mlxspec --help``.
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from mlxspec.cli.render import stats_line  # noqa: F401  (its old home; import it from render)
@@ -19,17 +21,26 @@ def model_option(f):
     )(f)
 
 
+def _finite(ctx, param, value):
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value!r} is not a finite number")
+    return value
+
+
 def sampling_options(f):
     """--max-tokens, --temp, --top-p, --top-k, --min-p, --seed."""
     options = [
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1)),
         click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-                     help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0)),
+                     callback=_finite, help="Sampling temperature; 0 is greedy."),
+        click.option("--top-p", default=1.0, show_default=True, callback=_finite,
+                     type=click.FloatRange(0.0, 1.0, min_open=True)),
         click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
                      help="Keep the k most likely tokens; 0 keeps all."),
-        click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0)),
-        click.option("--seed", default=None, type=int, help="Seed for reproducible sampling."),
+        click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+                     callback=_finite),
+        click.option("--seed", default=None, type=click.IntRange(0, 2**63 - 1),
+                     help="Seed for reproducible sampling (0 to 2**63 - 1)."),
     ]
     for option in reversed(options):
         f = option(f)

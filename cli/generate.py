@@ -7,7 +7,7 @@ import sys
 
 import click
 from mlxspec.cli.common import model_option, sampling_options, stats_line
-from mlxspec.cli.speculative_options import load_draft, speculative_options
+from mlxspec.cli.speculative_options import check_text, load_draft, read_text, speculative_options
 
 
 @click.command("generate")
@@ -34,18 +34,21 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
       mlxspec generate --prompt-lookup -p "Add a docstring to: def f(x): return x*2"
       echo "Explain DNS" | mlxspec generate -p - --json
     """
+    from mlxspec.chat import chat_prompt
     from mlxspec.generate import stream_generate
     from mlxspec.load import load, model_bytes
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = read_text(sys.stdin.buffer.read(), "standard input") if prompt == "-" else prompt
+    check_text(prompt, "--prompt")
+    if system is not None:
+        check_text(system, "--system")
     nn_model, tokenizer = load(model)
     draft, draft_tokenizer = load_draft(draft_model)
     if tokenizer.chat_template and not no_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = chat_prompt(tokenizer, messages)
     text, last = "", None
     for last in stream_generate(
         nn_model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
@@ -59,20 +62,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
             click.echo(last.text, nl=False)
     nbytes = model_bytes(nn_model)
     if as_json:
-        result = {
-            "text": text,
-            "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens,
-            "prompt_tps": last.prompt_tps,
-            "generation_tokens": last.generation_tokens,
-            "generation_tps": last.generation_tps,
-            "peak_memory_gb": last.peak_memory,
-            "model_bytes": nbytes,
-            "bandwidth_gbs": nbytes * last.generation_tps / 1e9,
-        }
-        if last.spec_stats is not None:
-            result["speculative"] = last.spec_stats.as_dict()
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(last.as_dict(text, nbytes), indent=2))
         return
     click.echo()
     click.echo(stats_line(last, nbytes), err=True)

@@ -1,8 +1,10 @@
-"""The speculative decoding options shared by `generate` and `chat`."""
+"""The speculative decoding options and text-input checks shared by `generate` and `chat`."""
 
 from __future__ import annotations
 
 import click
+
+from mlxspec.errors import InvalidArgumentError
 
 
 def parse_num_draft_tokens(value: str) -> int | str:
@@ -33,6 +35,28 @@ def speculative_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def read_text(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8, or ``InvalidArgumentError`` naming ``where``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(
+            f"{where} is not valid UTF-8 (byte {e.start}): convert it to UTF-8 first"
+        ) from None
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode; undecodable bytes of an argument (surrogate escapes on
+    POSIX) raise ``InvalidArgumentError`` naming ``where``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{where} is not valid UTF-8 (character {e.start}): convert it to UTF-8 first"
+        ) from None
+    return text
 
 
 def load_draft(draft_model: str | None):

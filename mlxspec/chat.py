@@ -12,26 +12,38 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import common_prefix_len
 
-from mlxspec.errors import UnsupportedModelError
+from mlxspec.cache import cache_offset, make_cache, trim_cache
+from mlxspec.errors import MlxspecError, UnsupportedModelError
 from mlxspec.generate import Response, stream_generate
+from mlxspec.speculative import Drafter, make_drafter
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def chat_prompt(
+    tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template.
 
+    The one place mlxspec applies a chat template (chat sessions, ``mlxspec generate``, benches).
 
-def cache_offset(cache: list[Any]) -> int:
-    """How many tokens the prompt cache holds (the first layer's count)."""
-    return int(getattr(cache[0], "offset", 0)) if cache else 0
+    Args:
+        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        add_generation_prompt: end with the header of the assistant's turn.
+
+    Raises:
+        UnsupportedModelError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise UnsupportedModelError(
+            "this model has no chat template: feed the prompt as raw text (--no-chat-template)"
+        )
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+    )
 
 
 class ChatSession:
@@ -70,16 +82,15 @@ class ChatSession:
         self.prefilled_tokens = 0  # tokens prefilled in the last turn (the rest came from cache)
         self.reset()
 
-    def _make_drafter(self) -> Any:
+    def _make_drafter(self) -> Drafter | None:
         """The speculative drafter asked for in ``generation`` (popped from it), or None."""
         draft_model = self.generation.pop("draft_model", None)
         draft_tokenizer = self.generation.pop("draft_tokenizer", None)
         prompt_lookup = self.generation.pop("prompt_lookup", False)
         ngram_max = self.generation.pop("ngram_max", 3)
+        min_confidence = self.generation.pop("draft_min_confidence", 0.0)
         if draft_model is None and not prompt_lookup:
             return None
-        from mlxspec.speculative import make_drafter
-
         return make_drafter(
             self.tokenizer,
             self.model,
@@ -88,6 +99,7 @@ class ChatSession:
             prompt_lookup=prompt_lookup,
             ngram_max=ngram_max,
             max_kv_size=self.max_kv_size,
+            min_confidence=min_confidence,
         )
 
     def reset(self) -> None:
@@ -95,7 +107,7 @@ class ChatSession:
         if self.draft is not None:
             self.draft.reset()
         self.messages = []
-        self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        self.cache = make_cache(self.model, self.max_kv_size)
         self.cached_tokens: list[int] = []
 
     def set_system(self, system: str | None) -> None:
@@ -104,25 +116,19 @@ class ChatSession:
 
     def conversation_tokens(self, add_generation_prompt: bool = True) -> list[int]:
         """The whole conversation rendered with the chat template, as token ids."""
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + list(
-            self.messages
-        )
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return chat_prompt(
+            self.tokenizer, system + self.messages, add_generation_prompt=add_generation_prompt
         )
 
     def _reuse_cache(self, tokens: list[int]) -> int:
         """Trim the cache to the longest cached prefix of ``tokens``; returns its length."""
         keep = min(common_prefix_len(self.cached_tokens, tokens), len(tokens) - 1)
         drop = cache_offset(self.cache) - keep
-        if drop > 0:
-            if can_trim_prompt_cache(self.cache):
-                trim_prompt_cache(self.cache, drop)
-            else:  # e.g. a rotating cache that has wrapped: prefill again from scratch
-                self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
-                keep = 0
+        if drop > 0 and not trim_cache(self.cache, drop):
+            # e.g. a rotating cache that has wrapped: prefill again from scratch
+            self.cache = make_cache(self.model, self.max_kv_size)
+            keep = 0
         self.cached_tokens = tokens[:keep]
         return keep
 
@@ -151,17 +157,24 @@ class ChatSession:
                 text += response.text
                 self.last = response
                 yield response
+        except MlxspecError:
+            if not generated:  # the turn was refused before any work: as if never asked
+                self.messages.pop()
+            raise
         finally:
-            self.messages.append({"role": "assistant", "content": text})
-            known = tokens + generated
-            held = cache_offset(self.cache)
-            if held > len(known):  # interrupted between a model step and its token
-                if can_trim_prompt_cache(self.cache):
-                    trim_prompt_cache(self.cache, held - len(known))
-                else:
-                    self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
-                    known = []
-            self.cached_tokens = known[: cache_offset(self.cache)]
+            if self.messages and self.messages[-1]["role"] == "user":
+                self._record_reply(tokens, generated, text)
+
+    def _record_reply(self, tokens: list[int], generated: list[int], text: str) -> None:
+        """Record the (possibly partial) reply; the cache keeps only tokens of the conversation."""
+        self.messages.append({"role": "assistant", "content": text})
+        known = tokens + generated
+        held = cache_offset(self.cache)
+        if held > len(known) and not trim_cache(self.cache, held - len(known)):
+            # interrupted between a model step and its token, past what the cache can drop
+            self.cache = make_cache(self.model, self.max_kv_size)
+            known = []
+        self.cached_tokens = known[: cache_offset(self.cache)]
 
     def reply(self, user_text: str, **overrides: Any) -> str:
         """Add a user turn and return the whole reply."""

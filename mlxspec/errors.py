@@ -62,3 +62,7 @@ class InvalidRepoIdError(HubError):
 
 class NotWritableError(MlxspecError):
     """A cache or output location cannot be written: read-only, no permission, or disk full."""
+
+
+class InvalidArgumentError(MlxspecError):
+    """A generation argument is out of range (sampling, max_tokens, seed, token ids, context)."""

@@ -2,24 +2,43 @@
 
 ``stream_generate`` yields mlx-lm ``GenerationResponse`` objects (extended with speculative
 statistics); ``generate`` returns the whole text. ``token_generator`` is the single switch between
-plain decoding (``mlx_lm.generate.generate_step``) and speculative decoding (``mlxspec.speculative``).
+plain decoding (``mlx_lm.generate.generate_step``) and speculative decoding
+(``mlxspec.speculative``), and the one place that falls back to plain decoding when speculation
+cannot run. Arguments are checked here, at the API boundary (``InvalidArgumentError``).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, wired_limit
+from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+from mlxspec.cache import WindowKVCache, cache_offset, make_cache, of_whole_prompt, prefill
+from mlxspec.errors import InvalidArgumentError
+from mlxspec.sampling import LogitsProcessor, SamplingParams, check_seed
+from mlxspec.speculative import (
+    Drafter,
+    SpecStats,
+    make_drafter,
+    speculative_generate_step,
+    unsupported_reason,
+)
+
+__all__ = ["Response", "SamplingParams", "generate", "stream_generate", "token_generator"]
+
+
+class SpeculativeFallbackWarning(UserWarning):
+    """Speculative decoding could not run and plain decoding was used instead."""
 
 
 @dataclass
@@ -27,40 +46,151 @@ class Response(GenerationResponse):
     """mlx-lm's ``GenerationResponse`` plus what mlxspec adds.
 
     Attributes (beyond mlx-lm's ``text``, ``token``, ``logprobs``, ``from_draft``,
-    ``prompt_tokens``, ``prompt_tps``, ``generation_tokens``, ``generation_tps``,
-    ``peak_memory`` (GB), ``finish_reason``):
+    ``prompt_tokens``, ``prompt_tps``, ``generation_tokens``, ``generation_tps`` (measured from the
+    end of the prompt prefill), ``peak_memory`` (GB), ``finish_reason``):
         spec_stats: speculative decoding statistics so far (``None`` for plain decoding).
     """
 
-    spec_stats: Any = None
+    spec_stats: SpecStats | None = None
+
+    def as_dict(self, text: str, model_bytes: int | None = None) -> dict[str, Any]:
+        """The JSON-ready summary of a finished generation (``mlxspec generate --json``).
+
+        Args:
+            text: the whole generated text (each response holds only its segment).
+            model_bytes: the weights' size, to report the bandwidth achieved (bytes x tok/s).
+        """
+        result: dict[str, Any] = {
+            "text": text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tps": self.prompt_tps,
+            "generation_tokens": self.generation_tokens,
+            "generation_tps": self.generation_tps,
+            "peak_memory_gb": self.peak_memory,
+        }
+        if model_bytes is not None:
+            result["model_bytes"] = model_bytes
+            result["bandwidth_gbs"] = model_bytes * self.generation_tps / 1e9
+        if self.spec_stats is not None:
+            result["speculative"] = self.spec_stats.as_dict()
+        return result
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is drawn from the model's distribution. ``temp == 0`` is greedy."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        """mlx-lm's sampler for these parameters (takes logprobs (batch, vocab))."""
-        top_p = self.top_p if 0.0 < self.top_p < 1.0 else 0.0
-        return make_sampler(self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+# -- the boundary: checked arguments ----------------------------------------------------------
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> mx.array:
-    """Token ids (seq,) int32 for a prompt string or ids; adds BOS the way mlx-lm does."""
-    if isinstance(prompt, mx.array):
-        return prompt
+def embedding_rows(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (valid token ids are below it), None if not found."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            return int(module.num_embeddings)
+        if isinstance(module, nn.Embedding):
+            return int(module.weight.shape[0])
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(vocab) if vocab else None
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The model's context (``max_position_embeddings``), None if it does not say."""
+    args = getattr(model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    if value is None:
+        value = getattr(getattr(args, "text_config", None), "max_position_embeddings", None)
+    if value is None and isinstance(getattr(args, "text_config", None), dict):
+        value = args.text_config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_generation_arguments(
+    *, max_tokens: object, num_draft_tokens: object, prefill_step_size: object,
+    kv_bits: object, kv_group_size: object, max_kv_size: object, min_confidence: object = 0.0,
+) -> None:
+    """Raise ``InvalidArgumentError`` (one line naming the fix) for an out-of-range argument."""
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise InvalidArgumentError(f"max_tokens={max_tokens!r}: use a whole number >= 1")
+    if num_draft_tokens != "auto" and (not _is_int(num_draft_tokens) or num_draft_tokens < 1):
+        raise InvalidArgumentError(
+            f"num_draft_tokens={num_draft_tokens!r}: use 'auto' or a whole number >= 1"
+        )
+    if not _is_int(prefill_step_size) or prefill_step_size < 1:
+        raise InvalidArgumentError(
+            f"prefill_step_size={prefill_step_size!r}: use a whole number >= 1"
+        )
+    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+        raise InvalidArgumentError(f"kv_bits={kv_bits!r}: use 2, 3, 4, 5, 6 or 8 (None is off)")
+    if kv_group_size not in (32, 64, 128):
+        raise InvalidArgumentError(f"kv_group_size={kv_group_size!r}: use 32, 64 or 128")
+    if max_kv_size is not None and (not _is_int(max_kv_size) or max_kv_size < 16):
+        raise InvalidArgumentError(f"max_kv_size={max_kv_size!r}: use a whole number >= 16")
+    if kv_bits is not None and max_kv_size is not None:
+        raise InvalidArgumentError(
+            "kv_bits and max_kv_size together are not supported (mlx-lm cannot quantize a "
+            "rotating cache): choose one"
+        )
+    if not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence < 1:
+        raise InvalidArgumentError(f"draft_min_confidence={min_confidence!r}: use a number in [0, 1)")
+
+
+def encode_prompt(
+    tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array, model: nn.Module | None = None
+) -> mx.array:
+    """Token ids (seq,) int32 for a prompt string or ids; adds BOS the way mlx-lm does.
+
+    Raises ``InvalidArgumentError`` for an empty prompt, text that is not valid Unicode, or ids
+    outside the model's embedding (they would read out of bounds).
+    """
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"the prompt is not valid UTF-8 text (at character {e.start}): fix its encoding"
+            ) from None
         bos = tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty")
-    return mx.array(list(prompt), dtype=mx.int32)
+    ids = prompt.astype(mx.int32) if isinstance(prompt, mx.array) else None
+    if ids is None:
+        values = list(prompt)
+        if not all(isinstance(t, numbers.Integral) for t in values):
+            raise InvalidArgumentError("prompt token ids must be whole numbers")
+        values = [int(t) for t in values]
+        if values and (min(values) < -(2**31) or max(values) >= 2**31):
+            raise InvalidArgumentError(
+                f"token id {max(values, key=abs)} is out of range: use ids of this tokenizer"
+            )
+        ids = mx.array(values, dtype=mx.int32)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidArgumentError("the prompt is empty: give some text or token ids")
+    rows = embedding_rows(model) if model is not None else None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (rows is not None and hi >= rows):
+        bad = lo if lo < 0 else hi
+        raise InvalidArgumentError(
+            f"token id {bad} is outside the model's vocabulary (0..{(rows or 1) - 1}): use ids "
+            "from this model's tokenizer"
+        )
+    return ids
+
+
+def check_context(model: nn.Module, held: int, prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ``InvalidArgumentError`` if the cache's ``held`` tokens + the prompt + max_tokens
+    exceed the model's context (only called without a ``max_kv_size`` window)."""
+    context = context_length(model)
+    if context is not None and held + prompt_tokens + max_tokens > context:
+        raise InvalidArgumentError(
+            f"the prompt ({held + prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {context} tokens: shorten the prompt, lower max_tokens, or pass "
+            "max_kv_size for a sliding window"
+        )
+
+
+# -- the one switch ---------------------------------------------------------------------------
 
 
 def token_generator(
@@ -71,44 +201,74 @@ def token_generator(
     max_tokens: int,
     prompt_cache: list[Any] | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    draft: Any = None,
+    draft: Drafter | None = None,
     num_draft_tokens: int | str = "auto",
-    spec_stats: Any = None,
+    spec_stats: SpecStats | None = None,
+    seed: int | None = None,
+    prefill_step_size: int = 2048,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[int, mx.array | None, bool]]:
     """The one place that chooses how tokens are produced.
 
     Args:
         prompt: (seq,) int32 token ids not yet in ``prompt_cache``.
-        draft: ``None`` for plain decoding, else a drafter from ``mlxspec.speculative``
-            (a draft model or prompt lookup).
+        draft: ``None`` for plain decoding, else a drafter (``mlxspec.speculative.make_drafter``).
+            If the cache cannot roll back, plain decoding runs (``SpeculativeFallbackWarning``).
+        seed: draw the token at absolute position p with ``position_key(seed, p)`` (both paths,
+            so speculative and plain decoding give the same text for the same seed).
+        Others: as ``stream_generate``.
 
     Yields:
         ``(token, logprobs (vocab,) or None, from_draft)``.
     """
-    if draft is None:
-        for token, logprobs in generate_step(
-            prompt,
-            model,
-            max_tokens=max_tokens,
-            sampler=sampling.sampler(),
-            logits_processors=logits_processors,
-            prompt_cache=prompt_cache,
-        ):
-            yield token, logprobs, False
-        return
-    from mlxspec.speculative import speculative_generate_step
+    prompt_cache = prompt_cache if prompt_cache is not None else make_cache(model)
+    if draft is not None:
+        reason = unsupported_reason(prompt_cache, draft)
+        if reason is None:
+            yield from speculative_generate_step(
+                prompt, model, draft, sampling=sampling, max_tokens=max_tokens,
+                prompt_cache=prompt_cache, logits_processors=logits_processors,
+                num_draft_tokens=num_draft_tokens, stats=spec_stats, seed=seed,
+                prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+                kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                prompt_progress_callback=prompt_progress_callback,
+            )
+            return
+        if spec_stats is not None:
+            spec_stats.fallback = reason
+        warnings.warn(
+            f"speculative decoding is off: {reason}; decoding without a draft",
+            SpeculativeFallbackWarning,
+            stacklevel=2,
+        )
+    # Plain decoding: mlxspec's interruptible prefill, then mlx-lm's generate_step. Its logits
+    # processors see the whole prompt (generate_step only sees the last token).
+    with mx.stream(generation_stream):
+        prefill(model, prompt_cache, prompt[:-1], step_size=prefill_step_size,
+                progress=of_whole_prompt(prompt_progress_callback, prompt.size))
+    if prompt_progress_callback is not None:
+        prompt_progress_callback(prompt.size, prompt.size)
+    processors = logits_processors
+    if logits_processors and prompt.size > 1:
+        processors = [_with_history(p, prompt[:-1]) for p in logits_processors]
+    position = cache_offset(prompt_cache) + 1
+    sampler = sampling.sampler(None if sampling.greedy else seed, position)
+    for token, logprobs in generate_step(
+        prompt[-1:], model, max_tokens=max_tokens, sampler=sampler,
+        logits_processors=processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+    ):
+        if spec_stats is not None:
+            spec_stats.record(0, 0, 0, 1, 0.0, 0.0)
+        yield token, logprobs, False
 
-    yield from speculative_generate_step(
-        prompt,
-        model,
-        draft,
-        sampling=sampling,
-        max_tokens=max_tokens,
-        prompt_cache=prompt_cache,
-        logits_processors=logits_processors,
-        num_draft_tokens=num_draft_tokens,
-        stats=spec_stats,
-    )
+
+def _with_history(processor: LogitsProcessor, before: mx.array) -> LogitsProcessor:
+    """``processor`` seeing ``before`` ahead of the tokens generate_step gives it."""
+    return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
 
 class _StopMatcher:
@@ -158,116 +318,129 @@ def stream_generate(
     logits_processors: list[LogitsProcessor] | None = None,
     prompt_cache: list[Any] | None = None,
     max_kv_size: int | None = None,
+    prefill_step_size: int = 2048,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
     draft_model: nn.Module | None = None,
     draft_tokenizer: TokenizerWrapper | None = None,
     num_draft_tokens: int | str = "auto",
     prompt_lookup: bool = False,
     ngram_max: int = 3,
-    draft: Any = None,
+    draft_min_confidence: float = 0.0,
+    draft: Drafter | None = None,
 ) -> Iterator[Response]:
     """Stream a completion, one ``Response`` per token (the last one has ``finish_reason``).
 
     Args:
         prompt: text (BOS added if the tokenizer wants it) or token ids.
-        max_tokens: the most tokens to generate.
-        temp, top_p, top_k, min_p: sampling; ``temp=0`` is greedy.
-        seed: seeds MLX's random generator for reproducible sampling.
+        max_tokens: the most tokens to generate (a whole number >= 1).
+        temp, top_p, top_k, min_p: sampling; ``temp=0`` is greedy (see ``SamplingParams``).
+        seed: reproducible sampling: the token at each absolute position is drawn with a key
+            derived from the seed and the position, so the same seed gives the same text with or
+            without speculation, whatever draft length is chosen. None: MLX's global RNG.
         stop: strings that end generation (not included in the output).
         repetition_penalty, logit_bias, logits_processors: logits processors (mlx-lm's).
-        prompt_cache: a cache from ``mlx_lm.models.cache.make_prompt_cache`` holding a prefix of the
+        prompt_cache: a cache from ``mlxspec.cache.make_cache`` holding a prefix of the
             conversation; ``prompt`` is then only the new tokens. Updated in place.
-        max_kv_size: a rotating cache of this many tokens when ``prompt_cache`` is not given.
+        max_kv_size: bound the KV cache to this many tokens (a sliding window, every layer) when
+            ``prompt_cache`` is not given. Without it, prompt + max_tokens must fit the model's
+            context (``max_position_embeddings``).
+        prefill_step_size: the most prompt tokens per prefill forward (chunks also stay under
+            about a second, so Ctrl-C stops a long prefill promptly).
+        kv_bits, kv_group_size, quantized_kv_start: quantize the KV cache (mlx-lm's
+            ``QuantizedKVCache``) once it holds ``quantized_kv_start`` tokens.
+        prompt_progress_callback: called with ``(processed, total)`` prompt tokens.
         draft_model / prompt_lookup / draft: speculative decoding with a draft model sharing the
             tokenizer, with prompt lookup, or with a ready drafter object.
         draft_tokenizer: the draft model's tokenizer, checked against ``tokenizer``
             (``mlxspec.errors.TokenizerMismatchError``).
-        num_draft_tokens: draft length per step, or ``"auto"`` to adapt it.
+        num_draft_tokens: draft length per pass, or ``"auto"`` to adapt it.
+        draft_min_confidence: a draft model stops drafting below this top probability.
+
+    Raises:
+        InvalidArgumentError: an argument is out of range (before any work is done).
     """
-    if max_tokens < 1:
-        raise ValueError("max_tokens must be at least 1")
-    if seed is not None:
-        mx.random.seed(seed)
-    prompt_ids = encode_prompt(tokenizer, prompt)
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    check_seed(seed)
+    check_generation_arguments(
+        max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+        prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+        max_kv_size=max_kv_size, min_confidence=draft_min_confidence,
+    )
+    prompt_ids = encode_prompt(tokenizer, prompt, model)
+    if prompt_cache is None:
+        prompt_cache = make_cache(model, max_kv_size)
+    windowed = [isinstance(c, (RotatingKVCache, WindowKVCache)) for c in prompt_cache]
+    if not all(windowed):  # some layer keeps every token: the whole text must fit the context
+        check_context(model, cache_offset(prompt_cache), prompt_ids.size, max_tokens)
+    if kv_bits is not None and any(windowed):
+        raise InvalidArgumentError(
+            "kv_bits needs a cache without sliding-window layers (mlx-lm cannot quantize a "
+            "rotating cache): drop kv_bits or max_kv_size"
+        )
     processors = list(logits_processors or []) + make_logits_processors(
         logit_bias, repetition_penalty
     )
-    if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-
-    spec_stats = None
     if draft is None and (draft_model is not None or prompt_lookup):
-        from mlxspec.speculative import make_drafter
-
         draft = make_drafter(
-            tokenizer,
-            model,
-            draft_model=draft_model,
-            draft_tokenizer=draft_tokenizer,
-            prompt_lookup=prompt_lookup,
-            ngram_max=ngram_max,
-            max_kv_size=max_kv_size,
+            tokenizer, model, draft_model=draft_model, draft_tokenizer=draft_tokenizer,
+            prompt_lookup=prompt_lookup, ngram_max=ngram_max, max_kv_size=max_kv_size,
+            min_confidence=draft_min_confidence,
         )
-    if draft is not None:
-        from mlxspec.speculative import SpecStats
+    spec_stats = SpecStats() if draft is not None else None
 
-        spec_stats = SpecStats()
+    tic = time.perf_counter()
+    prefill_end: float | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal prefill_end
+        if done == total:
+            prefill_end = time.perf_counter()
+        if prompt_progress_callback is not None:
+            prompt_progress_callback(done, total)
 
     tokens = token_generator(
-        prompt_ids,
-        model,
-        sampling=sampling,
-        max_tokens=max_tokens,
-        prompt_cache=prompt_cache,
-        logits_processors=processors or None,
-        draft=draft,
-        num_draft_tokens=num_draft_tokens,
-        spec_stats=spec_stats,
+        prompt_ids, model, sampling=sampling, max_tokens=max_tokens, prompt_cache=prompt_cache,
+        logits_processors=processors or None, draft=draft, num_draft_tokens=num_draft_tokens,
+        spec_stats=spec_stats, seed=seed, prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        prompt_progress_callback=progress,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stopper = _StopMatcher(stop)
     eos_ids = set(tokenizer.eos_token_ids)
-
-    tic = time.perf_counter()
-    prompt_tps = 0.0
     n = 0
     finish_reason = "length"
     token, logprobs, from_draft = -1, None, False
 
     def response(text: str, reason: str | None) -> Response:
-        elapsed = max(time.perf_counter() - tic, 1e-9)
+        start = prefill_end if prefill_end is not None else tic
+        prefill_seconds = max(start - tic, 1e-9)
         return Response(
-            text=text,
-            token=token,
-            logprobs=logprobs,
-            from_draft=from_draft,
-            prompt_tokens=prompt_ids.size,
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / elapsed,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=reason,
-            spec_stats=spec_stats,
+            text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=prompt_ids.size, prompt_tps=prompt_ids.size / prefill_seconds,
+            generation_tokens=n, generation_tps=n / max(time.perf_counter() - start, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason, spec_stats=spec_stats,
         )
 
     stopped = False
     final_text = ""
-    for token, logprobs, from_draft in tokens:  # noqa: B007 (read by response())
-        if n == 0:
-            prompt_tps = prompt_ids.size / max(time.perf_counter() - tic, 1e-9)
-            tic = time.perf_counter()
-        n += 1
-        if token in eos_ids:
-            finish_reason = "stop"
-            break
-        detokenizer.add_token(token)
-        text, stopped = stopper.feed(detokenizer.last_segment)
-        if stopped or n == max_tokens:
-            final_text = text
-            break
-        yield response(text, None)
-    tokens.close()
+    with wired_limit(model, [generation_stream]):
+        for token, logprobs, from_draft in tokens:  # noqa: B007 (read by response())
+            n += 1
+            if token in eos_ids:
+                finish_reason = "stop"
+                break
+            detokenizer.add_token(token)
+            text, stopped = stopper.feed(detokenizer.last_segment)
+            if stopped or n == max_tokens:
+                final_text = text
+                break
+            yield response(text, None)
+        tokens.close()
     if not stopped:
         detokenizer.finalize()
         text, stopped = stopper.feed(detokenizer.last_segment)

@@ -73,3 +73,30 @@ def test_rotating_cache_chat_matches_fresh_prefill_with_the_same_window(smollm2)
         reply = session.reply(turn)
         ids = list(tokenizer.apply_chat_template(before, add_generation_prompt=True))
         assert reply == generate(model, tokenizer, ids, max_tokens=24, max_kv_size=64)
+
+
+def test_chat_prompt_renders_the_template_once_for_everyone(smollm2):
+    from mlxspec.chat import chat_prompt
+
+    _, tokenizer = smollm2
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = chat_prompt(tokenizer, messages)
+    assert ids == list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    without = chat_prompt(tokenizer, messages, add_generation_prompt=False)
+    assert ids[: len(without)] == without and len(ids) > len(without)
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(smollm2):
+    import pytest
+
+    from mlxspec.errors import InvalidArgumentError
+
+    model, tokenizer = smollm2
+    session = ChatSession(model, tokenizer, max_tokens=12)
+    first = session.reply(TURNS[0])
+    with pytest.raises(InvalidArgumentError, match="context"):
+        session.reply("Tell me everything.", max_tokens=10**6)
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    before = session.messages + [{"role": "user", "content": TURNS[1]}]
+    assert session.reply(TURNS[1]) == fresh_reply(model, tokenizer, before, max_tokens=12)
+    assert first

@@ -112,3 +112,153 @@ def test_empty_prompt_and_bad_max_tokens_are_rejected(smollm2):
         list(stream_generate(model, tokenizer, [], max_tokens=4))
     with pytest.raises(ValueError):
         list(stream_generate(model, tokenizer, "hi", max_tokens=0))
+
+
+# -- the API boundary: typed one-line errors, before any work --------------------------------
+
+
+def tiny_llama(vocab: int = 256, context: int | None = None):
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+        tie_word_embeddings=False, max_position_embeddings=context,
+    )
+    model = llama.Model(args)
+    model.lm_head.weight = 4.0 * model.lm_head.weight
+    mx.eval(model.parameters())
+    return model
+
+
+class IdsTokenizer:
+    """Just enough of a TokenizerWrapper for token ids in and out (no text)."""
+
+    eos_token_ids: list[int] = []
+    bos_token = None
+
+    def __init__(self):
+        self.detokenizer = self
+
+    def reset(self):
+        self.last_segment = ""
+
+    def add_token(self, token):
+        self.last_segment = ""
+
+    def finalize(self):
+        self.last_segment = ""
+
+
+def ids(model, prompt, **kwargs) -> list[int]:
+    return [r.token for r in stream_generate(model, IdsTokenizer(), prompt, **kwargs)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temp=float("nan")), "temp"),
+        (dict(temp=-0.5), "temp"),
+        (dict(temp=float("inf")), "temp"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=10**23), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(prompt_lookup=True, num_draft_tokens=0), "num_draft_tokens"),
+        (dict(prompt_lookup=True, num_draft_tokens="many"), "num_draft_tokens"),
+        (dict(kv_bits=4, max_kv_size=64), "kv_bits"),
+        (dict(prefill_step_size=0), "prefill_step_size"),
+    ],
+)
+def test_out_of_range_arguments_raise_a_one_line_typed_error(kwargs, name):
+    from mlxspec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=name) as error:
+        ids(tiny_llama(), [1, 2, 3], max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("prompt", [[10**9, 5], [256, 5], [300, 5], [-1, 5], [1.5, 2]])
+def test_token_ids_outside_the_embedding_are_refused(prompt):
+    """[10**9, 5] segfaulted; [300, 5] on a 256-row embedding read out of bounds."""
+    from mlxspec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="token id|whole numbers"):
+        ids(tiny_llama(vocab=256), prompt, max_tokens=2)
+    assert len(ids(tiny_llama(vocab=256), [255, 5], max_tokens=2)) == 2
+
+
+def test_a_prompt_beyond_the_context_is_refused_unless_a_window_is_asked_for():
+    from mlxspec.errors import InvalidArgumentError
+
+    model = tiny_llama(context=64)
+    with pytest.raises(InvalidArgumentError, match="context of 64 tokens.*max_kv_size"):
+        ids(model, list(range(1, 60)), max_tokens=10)
+    assert len(ids(model, list(range(1, 60)), max_tokens=5)) == 5  # 59 + 5 fits
+    assert len(ids(model, list(range(1, 60)), max_tokens=10, max_kv_size=32)) == 10
+
+
+def test_same_seed_same_text_with_or_without_speculation_whatever_k():
+    """A key per absolute position: plain decoding, prompt lookup at any k and auto-k give the
+    same tokens for the same seed (and other seeds give other tokens)."""
+    from mlxspec.speculative import DraftModelDrafter
+
+    model = tiny_llama(vocab=32)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    options = dict(max_tokens=40, temp=0.9, top_k=8, seed=7)
+    plain = ids(model, prompt, **options)
+    for k in (1, 3, "auto"):
+        assert ids(model, prompt, prompt_lookup=True, num_draft_tokens=k, **options) == plain, k
+        draft = DraftModelDrafter(tiny_llama(vocab=32), vocab_size=32, real_vocab=32)
+        assert ids(model, prompt, draft=draft, num_draft_tokens=k, **options) == plain, k
+    assert ids(model, prompt, **{**options, "seed": 8}) != plain
+
+
+def test_generation_speed_counts_every_pass_after_the_prefill():
+    """The speed line once divided by the time after the first yielded token (4662 tok/s): the
+    time from the end of the prefill contains every pass, so it cannot beat the passes' own."""
+    from mlxspec.speculative import DraftModelDrafter
+
+    model = tiny_llama(vocab=32)
+    self_draft = DraftModelDrafter(model, vocab_size=32, real_vocab=32)  # always right
+    *_, last = stream_generate(model, IdsTokenizer(), [1, 2, 3], max_tokens=8, draft=self_draft,
+                               num_draft_tokens=7)
+    stats = last.spec_stats
+    assert stats.target_passes == 1 and stats.generated == 8  # all 8 tokens from one pass
+    assert last.generation_tps <= 1.02 * stats.generated / (stats.draft_seconds + stats.verify_seconds)
+
+
+@pytest.mark.parametrize("spec", [{}, {"prompt_lookup": True}])
+def test_prompt_progress_is_reported_in_chunks_up_to_the_whole_prompt(spec):
+    model = tiny_llama(vocab=32)
+    seen = []
+    ids(model, list(range(1, 31)) * 10, max_tokens=3, prefill_step_size=64,
+        prompt_progress_callback=lambda done, total: seen.append((done, total)), **spec)
+    assert seen[-1] == (300, 300) and all(total == 300 for _, total in seen)
+    steps = [b - a for (a, _), (b, _) in zip(seen, seen[1:], strict=False)]
+    assert all(0 <= s <= 64 for s in steps) and len(seen) >= 5
+
+
+def test_quantized_kv_cache_with_and_without_speculation_equals_mlx_lm():
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxspec.cache import make_cache
+
+    model = tiny_llama(vocab=32)
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 4
+    kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=8)
+    expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=30, **kv)]
+    for spec in [{}, {"prompt_lookup": True, "num_draft_tokens": 3}]:
+        cache = make_cache(model)
+        got = [r.token for r in stream_generate(model, IdsTokenizer(), prompt, max_tokens=30,
+                                                prompt_cache=cache, **kv, **spec)]
+        assert got == expected, spec
+        assert all(isinstance(c, QuantizedKVCache) for c in cache)

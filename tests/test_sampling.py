@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from chi_square import chi_square_pvalue
 
-from mlxspec.generate import SamplingParams
-from mlxspec.sampling import processed_logprobs, processed_probs, sample
+from mlxspec.sampling import SamplingParams, processed_logprobs, processed_probs, sample
 
 VOCAB = 12
 DRAWS = 100_000

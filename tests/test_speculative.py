@@ -24,21 +24,22 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxspec.draft_planner import HOPELESS_PAUSE, DraftLengthPlanner, SpecStats
-from mlxspec.drafters import first_layers_copy, quantized_copy
+from mlxspec.cache import make_cache
 from mlxspec.errors import TokenizerMismatchError
-from mlxspec.generate import SamplingParams
+from mlxspec.generate import SpeculativeFallbackWarning, token_generator
+from mlxspec.sampling import SamplingParams
 from mlxspec.speculative import (
     DraftModelDrafter,
     PromptLookupDrafter,
-    SpeculativeFallbackWarning,
-    check_tokenizers,
+    SpecStats,
+    check_same_tokenizer,
+    first_layers_copy,
     make_drafter,
+    quantized_copy,
     speculative_generate_step,
     verify_greedy,
     verify_sampling,
 )
-from mlxspec.window_cache import WindowKVCache, make_cache
 
 ALPHA = 1e-4
 GREEDY = SamplingParams()
@@ -155,50 +156,6 @@ def test_verify_sampling_without_drafts_samples_the_target():
     assert chi_square_pvalue(counts, P[1] * batch) > ALPHA
 
 
-# -- the sliding-window cache --------------------------------------------------------------------
-
-
-def attend(queries, keys, values, mask):
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.5, mask=mask)
-
-
-def test_window_cache_gives_each_query_the_window_of_a_one_token_step():
-    """Chunks, rollbacks and conversions of a WindowKVCache reproduce RotatingKVCache's one-token
-    steps (keep=4 attention sinks, window 16) for every query."""
-    mx.random.seed(0)
-    n, shape = 70, (1, 2, 70, 8)
-    keys, values, queries = (mx.random.normal(shape) for _ in range(3))
-    rotating, expected = RotatingKVCache(max_size=16, keep=4), []
-    for t in range(n):
-        k, v = rotating.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
-        expected.append(attend(queries[:, :, t : t + 1], k, v, None))
-    expected = mx.concatenate(expected, axis=2)
-
-    window, t = WindowKVCache(max_size=16, keep=4, slack=8), 0
-    for chunk, rollback in [(5, 0), (9, 3), (1, 0), (7, 7), (7, 2), (30, 0), (4, 4), (12, 5)]:
-        end = min(t + chunk, n)
-        mask = window.make_mask(end - t)
-        k, v = window.update_and_fetch(keys[:, :, t:end], values[:, :, t:end])
-        got = attend(queries[:, :, t:end], k, v, mask)
-        np.testing.assert_allclose(np.array(got), np.array(expected[:, :, t:end]), atol=1e-5)
-        assert window.trim(rollback) == rollback
-        t = end - rollback
-    # Back to mlx-lm's cache type; one-token steps continue exactly.
-    back = RotatingKVCache(max_size=16, keep=4)
-    window.to_rotating(back)
-    for s in range(t, n):
-        k, v = back.update_and_fetch(keys[:, :, s : s + 1], values[:, :, s : s + 1])
-        got = attend(queries[:, :, s : s + 1], k, v, None)
-        np.testing.assert_allclose(np.array(got), np.array(expected[:, :, s : s + 1]), atol=1e-5)
-
-
-def test_make_cache_bounds_every_full_attention_layer():
-    model = tiny_llama(0)
-    assert all(isinstance(c, KVCache) for c in make_cache(model))
-    bounded = make_cache(model, 32)
-    assert all(isinstance(c, RotatingKVCache) and c.max_size == 32 and c.keep == 4 for c in bounded)
-
-
 # -- greedy equality on tiny models ---------------------------------------------------------------
 
 PROMPT = [1, 5, 7, 9, 3, 5, 7, 2, 8, 8, 1, 5, 7, 11, 12, 5, 7]
@@ -268,19 +225,20 @@ class SlowDrafter(DraftModelDrafter):
         super().__init__(model, vocab_size=width, real_vocab=width)
         self.step_seconds = 0.05
 
-    def propose(self, context, k, sampling, process):
+    def propose(self, k, sampling, logits_processor=None, keys=None):
         time.sleep(0.05 * k)
-        return super().propose(context, k, sampling, process)
+        return super().propose(k, sampling, logits_processor, keys)
 
 
 def test_paused_speculation_decodes_plainly_and_exactly(tiny_target):
-    """When drafting does not pay, auto-k pauses and decodes plainly (pipelined); stopping in the
-    middle leaves only yielded tokens in the cache."""
+    """When drafting does not pay, auto-k pauses and decodes plainly (pipelined), retrying on a
+    backed-off schedule; stopping in the middle leaves only yielded tokens in the cache."""
     model = tiny_target
     stats = SpecStats()
     assert spec_tokens(model, SlowDrafter(model), PROMPT, 60, stats=stats) == \
         plain_tokens(model, PROMPT, 60)
-    assert stats.plain_passes >= 55
+    speculative_passes = stats.target_passes - stats.plain_passes
+    assert 1 <= speculative_passes <= 6 and stats.plain_passes >= 45
     cache = make_prompt_cache(model)
     steps = speculative_generate_step(mx.array(PROMPT), model, SlowDrafter(model),
                                       sampling=GREEDY, max_tokens=60, prompt_cache=cache)
@@ -299,7 +257,10 @@ def test_a_cache_that_cannot_roll_back_falls_back_to_plain_decoding(tiny_target)
     cache = [FixedCache() for _ in model.layers]
     stats = SpecStats()
     with pytest.warns(SpeculativeFallbackWarning, match="cannot roll back"):
-        got = spec_tokens(model, drafter_for(model, model), PROMPT, 20, 3, cache=cache, stats=stats)
+        steps = token_generator(mx.array(PROMPT), model, sampling=GREEDY, max_tokens=20,
+                                prompt_cache=cache, draft=drafter_for(model, model),
+                                num_draft_tokens=3, spec_stats=stats)
+        got = [t for t, _, _ in steps]
     assert got == plain_tokens(model, PROMPT, 20)
     assert stats.fallback and stats.drafted == 0 and "off" in stats.summary()
 
@@ -345,10 +306,10 @@ def record_proposals(drafter) -> list[tuple[int, list[int], np.ndarray | None]]:
     """Make ``drafter`` record (context length, proposed tokens, their q) of every proposal."""
     proposals, propose = [], drafter.propose
 
-    def recording(context, k, sampling, process):
-        proposal = propose(context, k, sampling, process)
+    def recording(k, sampling, logits_processor=None, keys=None):
+        proposal = propose(k, sampling, logits_processor, keys)
         q = None if proposal.probs is None else np.array(proposal.probs, np.float64)
-        proposals.append((len(context), proposal.tokens, q))
+        proposals.append((len(drafter.context), proposal.tokens, q))
         return proposal
 
     drafter.propose = recording
@@ -416,10 +377,22 @@ def test_acceptance_of_a_4bit_copy_is_sum_of_min_p_q_on_a_tiny_model():
 def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
     lookup = PromptLookupDrafter(ngram_max=3)
     context = [9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 8, 0, 2, 3]
-    assert lookup.propose(context, 3, GREEDY, None).tokens == [6, 8, 0]  # "2 3" -> latest match
-    assert lookup.propose(context + [6], 2, GREEDY, None).tokens == [8, 0]  # "2 3 6" wins
-    assert lookup.propose([5, 4, 3], 4, GREEDY, None).tokens == []  # re-indexed, no match
-    assert lookup.propose([5, 4, 3, 5], 4, GREEDY, None).tokens == [4, 3, 5]
+    lookup.begin(context)
+    assert lookup.propose(3, GREEDY).tokens == [6, 8, 0]  # "2 3" -> latest match
+    lookup.extend([6])
+    assert lookup.propose(2, GREEDY).tokens == [8, 0]  # "2 3 6" wins
+    lookup.begin([5, 4, 3])
+    assert lookup.propose(4, GREEDY).tokens == []  # re-indexed, no match
+    lookup.extend([5])
+    assert lookup.propose(4, GREEDY).tokens == [4, 3, 5, 4]  # continues periodically
+
+
+def test_prompt_lookup_continues_a_periodic_match_to_k_tokens():
+    lookup = PromptLookupDrafter(ngram_max=3)
+    lookup.begin([1, 2, 3] * 10)
+    assert lookup.propose(8, GREEDY).tokens == [1, 2, 3, 1, 2, 3, 1, 2]
+    lookup.begin([7, 7])
+    assert lookup.propose(4, GREEDY).tokens == [7, 7, 7, 7]
 
 
 class FakeTokenizer:
@@ -432,86 +405,26 @@ class FakeTokenizer:
         return dict(self.vocab)
 
 
-def test_check_tokenizers_allows_padding_and_names_the_first_difference():
+def test_check_same_tokenizer_allows_padding_and_names_the_first_difference():
     base = ["<s>", "</s>", "a", "b", "c"]
-    check_tokenizers(FakeTokenizer(base), FakeTokenizer(base + ["<extra_0>", "<extra_1>"]))
+    check_same_tokenizer(FakeTokenizer(base), FakeTokenizer(base + ["<extra_0>", "<extra_1>"]))
     with pytest.raises(TokenizerMismatchError, match=r"token id 3 is 'b' .* but 'x'"):
-        check_tokenizers(FakeTokenizer(base), FakeTokenizer(["<s>", "</s>", "a", "x", "c"]))
+        check_same_tokenizer(FakeTokenizer(base), FakeTokenizer(["<s>", "</s>", "a", "x", "c"]))
     with pytest.raises(TokenizerMismatchError, match="EOS"):
-        check_tokenizers(FakeTokenizer(base), FakeTokenizer(base, eos=4))
-    with pytest.raises(TokenizerMismatchError, match="PAD"):
-        check_tokenizers(FakeTokenizer(base), FakeTokenizer(base, pad=2))
+        check_same_tokenizer(FakeTokenizer(base), FakeTokenizer(base, eos=4))
+    with pytest.raises(TokenizerMismatchError, match="the reference model.*PAD"):
+        check_same_tokenizer(FakeTokenizer(base), FakeTokenizer(base, pad=2), "the reference model")
 
 
 def test_draft_ids_beyond_the_real_vocabulary_are_never_proposed(tiny_target):
     """A draft whose embedding is padded (vocab 64) for a target with 40 real tokens."""
     model = tiny_target
     drafter = DraftModelDrafter(tiny_llama(1), vocab_size=64, real_vocab=40)
-    proposal = drafter.propose(PROMPT, 8, SamplingParams(temp=1.0), None)
+    drafter.begin(PROMPT)
+    proposal = drafter.propose(8, SamplingParams(temp=1.0))
     assert proposal.probs.shape == (8, 64)
     assert float(proposal.probs[:, 40:].sum()) == 0.0 and max(proposal.tokens) < 40
     assert spec_tokens(model, drafter, PROMPT, 30, 3) == plain_tokens(model, PROMPT, 30)
-
-
-def simulate(planner: DraftLengthPlanner, steps: int, step_s: float, per_token_s: float,
-             draft_s: float, acceptance: float) -> list[int]:
-    """Feed the planner the costs of a machine where a pass over n tokens costs
-    step_s + per_token_s * (n - 1); drafts are accepted with the given rate (deterministic)."""
-    ks, credit = [], 0.5
-    planner.observe_prefill(64, 64 * per_token_s + step_s)
-    for _ in range(steps):
-        k = planner.choose(100)
-        accepted = 0
-        for _ in range(k):
-            credit += acceptance
-            if credit < 1:
-                break
-            credit -= 1
-            accepted += 1
-        planner.observe(k, k, accepted, draft_s * k, step_s + per_token_s * k, fed=1)
-        ks.append(k)
-    return ks
-
-
-def test_planner_turns_speculation_off_when_a_pass_costs_k_steps():
-    planner = DraftLengthPlanner("auto")
-    ks = simulate(planner, 200, step_s=0.01, per_token_s=0.01, draft_s=0.003, acceptance=0.9)
-    assert sum(k > 0 for k in ks) <= 3 and planner.paused > HOPELESS_PAUSE - 250
-
-
-def test_planner_speculates_when_passes_are_cheap_and_drafts_good():
-    planner = DraftLengthPlanner("auto")
-    ks = simulate(planner, 200, step_s=0.01, per_token_s=0.0005, draft_s=0.001, acceptance=0.85)
-    assert sum(k > 0 for k in ks) > 190 and 3 <= np.mean(ks[10:]) <= 16
-
-
-def test_planner_pauses_on_bad_drafts_and_retries():
-    planner = DraftLengthPlanner("auto")
-    ks = simulate(planner, 300, step_s=0.01, per_token_s=0.0005, draft_s=0.002, acceptance=0.02)
-    speculative = [i for i, k in enumerate(ks) if k > 0]
-    assert 2 <= len(speculative) <= 30  # tried, paused, tried again later
-    assert speculative[-1] > 100
-
-
-def test_planner_counts_the_draft_catch_up_before_switching_on():
-    """A good, cheap draft that first has to catch up on a long context: worth it for a long
-    generation, not for a short one."""
-    def planner_after_some_passes():
-        planner = DraftLengthPlanner("auto", draft_step=0.001)
-        planner.observe_prefill(64, 0.05)
-        for _ in range(2):
-            planner.observe(0, 0, 0, 0.0, 0.01, fed=0)  # plain passes: 10 ms
-        planner.observe(4, 4, 4, 0.104, 0.012, fed=101)  # a catch-up of 100 tokens: 1 ms each
-        return planner
-
-    assert planner_after_some_passes().choose(8, catch_up=500) == 0
-    assert planner_after_some_passes().choose(1000, catch_up=500) > 0
-    assert planner_after_some_passes().choose(8, catch_up=1) > 0
-
-
-def test_fixed_k_is_used_as_given():
-    planner = DraftLengthPlanner(5)
-    assert [planner.choose(100) for _ in range(3)] + [planner.choose(2)] == [5, 5, 5, 2]
 
 
 # -- the real models ------------------------------------------------------------------------------
@@ -655,7 +568,7 @@ def test_chat_with_a_draft_keeps_both_caches_and_matches_plain_chat(smol):
         assert [session.reply(turn) for turn in turns] == expected
         assert session.last.spec_stats.drafted > 0
         if options.get("draft_model") is not None:  # the draft cache holds the conversation
-            held = session.draft.cached
+            held = session.draft.context[: session.draft.cached]
             assert held == session.cached_tokens[: len(held)] and len(held) > 40
 
 

@@ -1,5 +1,11 @@
-"""A sliding-window KV cache that can process several tokens at once and roll back exactly.
+"""KV caches: the one cache builder, a sliding-window cache that rolls back, chunked prefill.
 
+``make_cache`` is the only place mlxspec builds a prompt cache (target, draft and chat alike):
+with ``max_kv_size`` every full-attention layer is bounded, whatever the model's ``make_cache``.
+``prefill`` runs a prompt into a cache in chunks; ``trim_cache``/``cache_offset`` roll back and
+count; a quantized KV cache is mlx-lm's (``maybe_quantize_kv_cache``).
+
+The sliding window: 
 mlx-lm's ``RotatingKVCache`` gives each one-token decoding step the first ``keep`` tokens plus the
 latest ``max_size - keep`` tokens. Fed several tokens at once it concatenates instead, and its mask
 then drops the ``keep`` tokens for all but the first query; once it has wrapped it cannot be
@@ -17,9 +23,19 @@ Layout: columns ``0 .. keep-1`` hold positions ``0 .. keep-1``; column ``c >= ke
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    _BaseCache,
+    make_prompt_cache,
+)
+
+ROLLBACK_SLACK = 32  # tokens a sliding-window cache keeps beyond its window (> the longest draft)
 
 
 class WindowKVCache(_BaseCache):
@@ -189,27 +205,95 @@ def cannot_roll_back(cache: list) -> str | None:
     return f"KV cache ({', '.join(bad)}) cannot roll back rejected tokens" if bad else None
 
 
-def rollback_cache(cache: list) -> tuple[list, str | None]:
-    """``cache`` with each ``RotatingKVCache`` swapped for a ``WindowKVCache``, and the reason it
-    cannot roll back (None when it can)."""
-    reason = cannot_roll_back(cache)
-    if reason is not None:
-        return cache, reason
-    return [
-        WindowKVCache.from_rotating(c) if isinstance(c, RotatingKVCache) else c for c in cache
-    ], None
-
-
 def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
-    """The model's prompt cache; with ``max_kv_size``, full-attention layers get a rotating one.
+    """The model's prompt cache, one entry per layer; the only cache builder of mlxspec.
 
-    mlx-lm's ``make_prompt_cache`` ignores ``max_kv_size`` for models that define ``make_cache``
-    (llama does, in mlx-lm 0.32), so the bounded cache is built here for any model: each plain
-    ``KVCache`` becomes ``RotatingKVCache(max_kv_size, keep=4)``, as mlx-lm does for the others.
+    Args:
+        max_kv_size: bound every full-attention layer to this many tokens: each plain ``KVCache``
+            becomes ``RotatingKVCache(max_kv_size, keep=4)``, as mlx-lm does for models without
+            their own ``make_cache`` (mlx-lm's ``make_prompt_cache`` ignores ``max_kv_size`` for
+            llama and every model that defines ``make_cache``).
     """
-    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    cache = make_prompt_cache(model)
     if max_kv_size is None:
         return cache
     return [
         RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c for c in cache
     ]
+
+
+def swap_in_window_caches(cache: list, slack: int = ROLLBACK_SLACK) -> dict[int, RotatingKVCache]:
+    """Replace each ``RotatingKVCache`` in ``cache`` (in place) by a ``WindowKVCache`` that can
+    roll back ``slack`` tokens; returns the originals for ``swap_back``."""
+    originals = {i: c for i, c in enumerate(cache) if isinstance(c, RotatingKVCache)}
+    for i, rotating in originals.items():
+        cache[i] = WindowKVCache.from_rotating(rotating, slack=slack)
+    return originals
+
+
+def swap_back(cache: list, originals: dict[int, RotatingKVCache]) -> None:
+    """Undo ``swap_in_window_caches``: the caller sees mlx-lm's cache types again."""
+    for i, rotating in originals.items():
+        cache[i].to_rotating(rotating)
+        cache[i] = rotating
+
+
+def cache_offset(cache: list) -> int:
+    """How many tokens the cache has seen (the first layer's offset)."""
+    return int(getattr(cache[0], "offset", 0)) if cache else 0
+
+
+def trim_cache(cache: list, n: int) -> bool:
+    """Drop the latest ``n`` tokens from every layer; False (cache unchanged in count) if any
+    layer cannot (a wrapped rotating cache), so the caller can rebuild it."""
+    if n <= 0:
+        return True
+    if not all(c.is_trimmable() for c in cache):
+        return False
+    return all(c.trim(n) == n for c in cache)
+
+
+PREFILL_CHUNK_SECONDS = 0.5  # a prefill chunk lasts about this long, so Ctrl-C is noticed soon
+FIRST_CHUNK = 256  # tokens of the first chunk, before the speed is known
+
+
+def prefill(
+    model: nn.Module,
+    cache: list,
+    tokens: mx.array,
+    *,
+    step_size: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
+    after_chunk: Callable[[list], None] | None = None,
+) -> None:
+    """Run ``tokens`` (n,) through ``model`` into ``cache`` in chunks of at most ``step_size``.
+
+    Chunks start at ``FIRST_CHUNK`` tokens and adapt so each lasts about
+    ``PREFILL_CHUNK_SECONDS``: the device is waited on after every chunk, so Ctrl-C
+    (KeyboardInterrupt) is raised within about a second whatever the prompt's length.
+    ``progress(done, total)`` is called after each chunk; ``after_chunk(cache)`` too (e.g. to
+    quantize the cache).
+    """
+    total, done, chunk = tokens.size, 0, min(step_size, FIRST_CHUNK)
+    while done < total:
+        n = min(chunk, total - done)
+        tic = time.perf_counter()
+        model(tokens[None, done : done + n], cache=cache)
+        if after_chunk is not None:
+            after_chunk(cache)
+        mx.eval([c.state for c in cache])
+        seconds = time.perf_counter() - tic
+        done += n
+        if progress is not None:
+            progress(done, total)
+        # Next chunk: as many tokens as PREFILL_CHUNK_SECONDS allows at this speed (within 2x).
+        target = int(n * PREFILL_CHUNK_SECONDS / max(seconds, 1e-6))
+        chunk = max(32, min(step_size, 2 * n, target))
+        mx.clear_cache()
+
+
+def of_whole_prompt(
+    callback: Callable[[int, int], None] | None, total: int
+) -> Callable[[int, int], None] | None:
+    """A prefill progress callback over ``prompt[:-1]`` reporting against the whole prompt."""
+    return None if callback is None else (lambda done, _: callback(done, total))

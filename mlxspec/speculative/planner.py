@@ -1,0 +1,218 @@
+"""How many tokens to draft per pass (``num_draft_tokens="auto"``).
+
+Before every target pass ``DraftLengthPlanner`` picks the draft length k that maximises the
+predicted tokens per second
+
+    rate(k) = E[tokens per pass] / (k * draft_cost + verify_cost(k)),
+    E[tokens per pass] = (1 - a^(k+1)) / (1 - a)          (Leviathan et al. 2023, eq. 1)
+
+where a is the per-token acceptance rate (decayed counts of the passes so far) and the costs are
+measured online, robustly: each estimate is the lower median of the last ``WINDOW`` measurements,
+so one slow pass (a kernel compiled on first use, a busy machine) is outvoted as soon as a second
+pass of the same kind is measured, and the first pass of a generation (warm-up) is not used at
+all. The verify cost is c0 + slope * k, the slope the lower median of the measured lengths'
+slopes (before any speculative pass: the prompt prefill's cost per token). One-off costs (the
+drafter catching up on a long context) are measured per caught-up token and charged only when a
+catch-up is due, never to the per-token drafting cost.
+
+k = 0 is a plain decoding step. Speculation starts with a trial once plain decoding is measured:
+no "off" verdict comes before at least one speculative pass was measured (unless its catch-up
+alone would cost more than the tokens left could repay). When plain decoding is predicted faster
+it pauses for a number of tokens that doubles up to ``MAX_PAUSE`` and then runs a trial of
+``TRIAL_PASSES`` passes again: it backs off but never gives up, unless the drafter's catch-up
+after the pause would cost more than ``RETRY_COST`` of the paused time (then the pause doubles
+and the retry waits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+K_MAX = 16  # longest draft "auto" considers
+WINDOW = 8  # recent measurements behind each cost estimate
+ACCEPTANCE_MEMORY = 0.9  # per-pass decay of the acceptance counts
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0  # acceptance assumed before any draft is verified
+MARGIN = 0.03  # speculation must be predicted this much faster than plain decoding
+PLAIN_FIRST = 2  # plain passes measured (after the warm-up pass) before the first trial
+TRIAL_PASSES = 2  # speculative passes of a trial before judging
+MIN_PAUSE, MAX_PAUSE = 16, 512  # plain tokens before trying again
+MIN_PREFILL_FOR_PRIOR = 8  # prompt tokens needed to take the prefill cost as the prior slope
+HORIZON = 256  # tokens over which switching speculation on must pay off
+RETRY_COST = 0.05  # longest catch-up (fraction of the paused tokens' plain time) worth a retry
+FIRST_TRIAL_COST = 0.25  # longest catch-up (fraction of the tokens left's plain time) for the first
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens per target pass with k drafts each accepted with probability ``a``."""
+    a = min(max(a, 0.0), 0.999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def lower_median(values) -> float | None:
+    """The lower median (robust to a minority of slow outliers); None when empty."""
+    if not values:
+        return None
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+class DraftLengthPlanner:
+    """Chooses k for each pass of one generation (see the module docstring).
+
+    Args:
+        num_draft_tokens: a fixed k, or ``"auto"``.
+        draft_step, catch_up_step: the drafter's own estimates (priors) of seconds per drafted
+            token and per context token it catches up on, if any.
+    """
+
+    def __init__(
+        self,
+        num_draft_tokens: int | str = "auto",
+        draft_step: float | None = None,
+        catch_up_step: float | None = None,
+    ):
+        self.fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
+        self.accepted = PRIOR_ACCEPTANCE * PRIOR_WEIGHT  # decayed kept drafts
+        self.rejected = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT  # decayed passes ending in a rejection
+        self.draft_prior, self.catch_up_prior = draft_step, catch_up_step
+        self.draft_costs: deque[float] = deque(maxlen=WINDOW)  # seconds per drafted token
+        self.catch_up_costs: deque[float] = deque(maxlen=WINDOW)  # seconds per caught-up token
+        self.verify_costs: dict[int, deque[float]] = {}  # drafts verified -> seconds per pass
+        self.prior_slope: float | None = None  # seconds per extra token in a pass (prefill)
+        self.passes = 0  # passes observed (the first is a warm-up, not timed)
+        self.speculative_passes = 0
+        self.paused = 0  # plain passes left before speculation is tried again
+        self.pause = MIN_PAUSE
+        self.trial = 0  # speculative passes of the current trial still to run
+
+    # -- measurements ----------------------------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The prompt prefill: a pass over many tokens, the prior for the verify cost slope."""
+        if tokens >= MIN_PREFILL_FOR_PRIOR:
+            self.prior_slope = seconds / tokens
+
+    def observe(
+        self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float, caught_up: int
+    ) -> None:
+        """One pass: k requested, ``drafted`` proposed, ``accepted`` kept, times in seconds.
+
+        ``caught_up`` is how many context tokens the drafter processed first (1-2 in steady
+        state; more is a catch-up, whose cost per token is measured separately).
+        """
+        self.passes += 1
+        if drafted > 0:
+            self.speculative_passes += 1
+            self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
+            self.rejected = ACCEPTANCE_MEMORY * self.rejected + (accepted < drafted)
+        if self.passes == 1:
+            return  # warm-up: first use of the shapes (kernel compilation, caches)
+        self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
+        if k == 0:
+            return
+        if caught_up <= 2:
+            self.draft_costs.append(draft_s / k)
+        else:
+            extra = max(draft_s - k * self.draft_cost, 0.0) / (caught_up - 1)
+            self.catch_up_costs.append(extra)
+
+    # -- the model -------------------------------------------------------------------------------
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance rate: kept drafts / (kept drafts + passes ending in a rejection)."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def draft_cost(self) -> float:
+        """Seconds per drafted token."""
+        measured = lower_median(self.draft_costs)
+        return measured if measured is not None else (self.draft_prior or 0.0)
+
+    @property
+    def plain_cost(self) -> float:
+        """Seconds per plain decoding pass (needs a measured plain pass)."""
+        return lower_median(self.verify_costs[0])
+
+    def verify_cost(self, k: int) -> float:
+        """Predicted seconds of a target pass over k drafts (plus the last token)."""
+        c0 = self.plain_cost
+        slopes = [(lower_median(c) - c0) / j for j, c in self.verify_costs.items() if j > 0 and c]
+        slope = lower_median(slopes) if slopes else (self.prior_slope or 0.0)
+        return c0 + max(slope, 0.0) * k
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """Predicted seconds for the drafter to process ``tokens`` unseen context tokens."""
+        if tokens <= 2:
+            return 0.0  # part of a normal draft step
+        per_token = lower_median(self.catch_up_costs)
+        if per_token is None:
+            per_token = self.catch_up_prior
+        if per_token is None:  # the draft batches tokens as well as the target does
+            c0 = self.plain_cost
+            per_token = self.draft_cost * min((self.prior_slope or c0) / c0, 1.0)
+        return (tokens - 1) * per_token
+
+    def rate(self, k: int, acceptance: float | None = None) -> float:
+        """Predicted tokens per second with k drafts per pass."""
+        a = self.acceptance if acceptance is None else acceptance
+        seconds = k * self.draft_cost + self.verify_cost(k)
+        return expected_tokens(a, k) / max(seconds, 1e-9)
+
+    def best_k(self, limit: int) -> int:
+        """The k in 1..limit with the highest predicted rate."""
+        return max(range(1, min(K_MAX, limit) + 1), key=self.rate)
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def choose(self, limit: int, catch_up: int = 0) -> int:
+        """k for the next pass.
+
+        Args:
+            limit: the most drafts worth making (tokens left - 1).
+            catch_up: context tokens the drafter has not processed yet.
+        """
+        if limit <= 0:
+            return 0
+        if self.fixed is not None:
+            return min(self.fixed, limit)
+        if self.paused > 0:
+            self.paused -= 1
+            return 0
+        if len(self.verify_costs.get(0, ())) < PLAIN_FIRST:  # measure plain decoding first
+            return 0
+        horizon = min(limit + 1, HORIZON)
+        plain_seconds = horizon * self.plain_cost
+        if self.trial > 0 or self.speculative_passes == 0:
+            # A trial: measure before judging, unless catching up alone would not pay.
+            budget = (
+                FIRST_TRIAL_COST * plain_seconds
+                if self.speculative_passes == 0
+                else RETRY_COST * self._paused_time()
+            )
+            if self.catch_up_seconds(catch_up) <= budget:
+                self.trial = (self.trial or TRIAL_PASSES) - 1
+                return self.best_k(limit)
+            return self._pause()
+        k = self.best_k(limit)
+        speculative_seconds = self.catch_up_seconds(catch_up) + horizon / self.rate(k)
+        if speculative_seconds * (1 + MARGIN) < plain_seconds:
+            self.pause = MIN_PAUSE
+            return k
+        return self._pause()
+
+    def _paused_time(self) -> float:
+        return self.pause / 2 * self.plain_cost  # the pause just served (it has since doubled)
+
+    def _pause(self) -> int:
+        """Decode plainly for the current pause, then try again (the next pause is longer)."""
+        self.paused = self.pause - 1
+        self.pause = min(2 * self.pause, MAX_PAUSE)
+        self.trial = TRIAL_PASSES
+        return 0
+
+    def plain_stretch(self, limit: int) -> int:
+        """After ``choose`` returned 0: how many plain passes follow from now (this one included,
+        at most ``limit``), so they can run back to back. They are consumed."""
+        stretch = min(self.paused + 1, limit)
+        self.paused -= stretch - 1
+        return stretch
