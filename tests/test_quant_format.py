@@ -179,3 +179,64 @@ def test_bits_per_weight_is_below_mlx_affine():
     assert format.bits_per_weight(4, 64) == 4 + 20 / 64
     assert format.bits_per_weight(4, 64) < 4 + 32 / 64  # MLX affine: float16 scale + bias
     assert format.bits_per_weight(8, 128, scale_bits=16) == 8 + 24 / 128
+
+
+# -- the exact affine form ---------------------------------------------------------------------
+
+MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
+def test_exact_scales_make_mlx_dequantize_equal_s_times_q_minus_z_bit_for_bit(dtype, bits):
+    # Scales from round_scales and the biases -s*z in the model's dtype: MLX's own dequantize
+    # (which computes scale * q + bias in that dtype) gives s * (q - z) computed in float64 and
+    # rounded once, for every weight; and z comes back exactly from the biases.
+    rng = np.random.default_rng(bits)
+    n, k, g = 16, 256, 64
+    q, z, _ = random_layer(rng, n, k, bits, g)
+    s = format.round_scales(rng.random((n, k // g)) * 0.05 + 1e-4, bits, dtype)
+    scales = mx.array(s).astype(MX_DTYPES[dtype])
+    weight, zeros = mx.array(format.pack(q, bits)), mx.array(format.pack(z, bits))
+    assert format.scales_are_exact(scales, bits)
+    _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, g)
+    assert biases.dtype == scales.dtype
+    got = mx.dequantize(weight, scales, biases, group_size=g, bits=bits)
+    assert got.dtype == scales.dtype
+    want = mx.array(dense_reference(q, z, s, g).astype(np.float32)).astype(scales.dtype)
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(got, format.dequantize(weight, scales, zeros, bits, g)).item()
+    np.testing.assert_array_equal(format.zeros_from_affine(scales, biases, bits), z)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_unconstrained_scales_are_not_exact_in_mlx(dtype):
+    # The canary: ordinary half-precision scales (what min-max rounding gives) are flagged, and
+    # MLX's dequantize of the affine form in that dtype misses s * (q - z) for many weights.
+    rng = np.random.default_rng(1)
+    q, z, s = random_layer(rng, 16, 256, 4, 64)
+    scales = mx.array(s.astype(np.float32) * 1.013).astype(MX_DTYPES[dtype])
+    assert not format.scales_are_exact(scales, 4)
+    weight, zeros = mx.array(format.pack(q, 4)), mx.array(format.pack(z, 4))
+    _, _, biases = format.to_mlx_affine(weight, scales, zeros, 4, 64)
+    assert biases.dtype == mx.float32  # the exact form then needs float32 biases
+    got = mx.dequantize(weight, scales, biases.astype(scales.dtype), group_size=64, bits=4)
+    want = format.dequantize(weight, scales, zeros, 4, 64)
+    assert mx.sum(got != want).item() > 0
+
+
+def test_round_scales_keeps_the_documented_significant_bits():
+    assert format.scale_bits(4, "float16") == 7 and format.scale_bits(8, "float16") == 3
+    assert format.scale_bits(4, "bfloat16") == 4 and format.scale_bits(8, "bfloat16") == 1
+    s = format.round_scales(np.array([0.05, 1e-9]), 4, "float16")
+    assert s[0] == 51 * 2.0**-10 and s[1] == 2.0**-14  # the worked example; the smallest normal
+    assert format.round_scales(np.array([0.05]), 4, "float16", up=True)[0] == 103 * 2.0**-11
+    with pytest.raises(QuantizationError, match="float8"):
+        format.dtype_name("float8")
+
+
+def test_zeros_from_affine_refuses_a_float_minimum():
+    s = np.array([[0.5, 0.25]], np.float32)
+    assert format.zeros_from_affine(s, np.array([[-1.5, -0.5]], np.float32), 4).tolist() == [[3, 2]]
+    assert format.zeros_from_affine(s, np.array([[-1.3, -0.5]], np.float32), 4) is None
+    assert format.zeros_from_affine(s, np.array([[-8.0, 0.5]], np.float32), 4) is None  # z < 0

@@ -195,7 +195,7 @@ def test_zp_directory_round_trip_gives_identical_logits(tiny_dir, tmp_path):
     config = json.loads((tiny_dir / "config.json").read_text())
     _, record = quantize_model(model, bits=4, group_size=64, recipe="embed8")
     out = save_quantized(model, tmp_path / "q", config=config, quantization=record,
-                         source_dir=tiny_dir)
+                         source_dir=tiny_dir, output_format="zp")
     saved = json.loads((out / "config.json").read_text())
     assert weight_format(saved) == "zp"
     assert saved["quantization"]["layers"] == {"model.embed_tokens": {"bits": 8, "group_size": 64}}
@@ -353,3 +353,55 @@ def test_smollm2_exported_as_awq_and_as_act_order_gptq_loads_back(smollm2_dir, s
     assert "perm" in gptq_model.model.layers[14].mlp.down_proj
     assert "perm" not in gptq_model.model.layers[14].mlp.up_proj
     np.testing.assert_allclose(np.array(gptq_model(x)), want, rtol=1e-4, atol=1e-4)
+
+
+# -- the exact MLX affine output (the default) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_output_has_mlx_lm_layout_and_bits_per_weight(tiny_dir, tmp_path, dtype):
+    # mlxspec's saved model holds exactly the tensors (names, shapes, dtypes) that mlx-lm's own
+    # quantization of the same model in the same dtype holds, so the same bits per weight; and
+    # the float parameters, scales and biases are all in the chosen dtype.
+    from mlx_lm.utils import compute_bits_per_weight, load_model
+    from mlx_lm.utils import quantize_model as mlx_lm_quantize
+
+    model, _ = load(str(tiny_dir))
+    config = json.loads((tiny_dir / "config.json").read_text())
+    _, record = quantize_model(model, bits=4, group_size=32, dtype=dtype)
+    out = save_quantized(model, tmp_path / "q", config=config, quantization=record,
+                         source_dir=tiny_dir)
+    saved = json.loads((out / "config.json").read_text())["quantization"]
+    assert saved["format"] == "mlx" and saved["exact"] == dtype and saved["mode"] == "affine"
+    ours, _ = load_model(out)  # plain mlx-lm
+    theirs, _ = load_model(tiny_dir)
+    theirs.set_dtype(getattr(mx, dtype))
+    mlx_lm_quantize(theirs, config, group_size=32, bits=4)
+    layout = lambda m: {k: (v.shape, v.dtype) for k, v in tree_flatten(m.parameters())}  # noqa: E731
+    assert layout(ours) == layout(theirs)
+    assert compute_bits_per_weight(ours) == compute_bits_per_weight(theirs)
+    assert {v.dtype for _, v in tree_flatten(ours.parameters())} == {getattr(mx, dtype), mx.uint32}
+    # mlxspec adopts the exact layers as zero-point layers and computes the same logits as the
+    # in-memory model it saved.
+    loaded, _ = load(str(out))
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, ZeroPointLinear)
+    x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert loaded(x).dtype == getattr(mx, dtype)
+
+
+def test_act_order_cannot_be_saved_as_mlx_and_the_card_is_told_why(tiny_dir, tmp_path):
+    from mlxspec.errors import QuantizationError
+    from mlxspec.quant.storage import mlx_lm_loadable
+
+    model, _ = load(str(tiny_dir))
+    config = json.loads((tiny_dir / "config.json").read_text())
+    calibration = [list(range(i, i + 32)) for i in range(0, 128, 32)]
+    _, record = quantize_model(model, bits=4, group_size=32, method="gptq", act_order=True,
+                               calibration_tokens=calibration)
+    with pytest.raises(QuantizationError, match="act-order"):
+        save_quantized(model, tmp_path / "q", config=config, quantization=record)
+    assert not (tmp_path / "q").exists()
+    out = save_quantized(model, tmp_path / "q", config=config, quantization=record,
+                         output_format="zp")
+    loadable, why = mlx_lm_loadable(json.loads((out / "config.json").read_text()))
+    assert not loadable and "act-order" in why

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import gptq, rtn
+from mlxspec.quant import format, gptq, rtn
 
 
 def dense(q, scales, zeros, group_size) -> np.ndarray:
@@ -26,28 +26,32 @@ def correlated_inputs(rng, rows: int, features: int) -> np.ndarray:
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_rtn_recovers_weights_that_lie_exactly_on_a_grid(bits, group_size):
-    # Every group spans its full integer range, so min-max finds the very same s and z and the
-    # float32 reconstruction is exact.
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rtn_recovers_weights_that_lie_exactly_on_a_grid(bits, group_size, dtype):
+    # Every group spans its full integer range with an exact scale of the dtype, so min-max finds
+    # the very same s and z and the reconstruction is exact.
     rng = np.random.default_rng(bits)
     out_features, in_features, qmax = 16, 128, 2**bits - 1
     q = rng.integers(0, qmax + 1, (out_features, in_features))
     q[:, ::group_size], q[:, 1::group_size] = 0, qmax
     zeros = rng.integers(0, qmax + 1, (out_features, in_features // group_size))
-    scales = (rng.random(zeros.shape) * 0.05 + 0.001).astype(np.float16)
+    scales = format.round_scales(rng.random(zeros.shape) * 0.05 + 0.001, bits, dtype)
     w = dense(q, scales, zeros, group_size).astype(np.float32)
-    q2, s2, z2 = rtn.quantize(w, bits, group_size)
+    q2, s2, z2 = rtn.quantize(w, bits, group_size, dtype=dtype)
     np.testing.assert_array_equal(dense(q2, s2, z2, group_size), w.astype(np.float64))
-    assert s2.dtype == np.float16 and q2.dtype == np.uint8 and z2.dtype == np.uint8
+    assert q2.dtype == np.uint8 and z2.dtype == np.uint8
+    assert format.scales_are_exact(mx.array(s2).astype(getattr(mx, dtype)), bits)
 
 
 def minmax_reference(w: np.ndarray, bits: int, group_size: int) -> np.ndarray:
-    """Plain asymmetric min-max rounding (range including 0), float64, scales rounded to
-    float16: the textbook round-to-nearest."""
+    """Plain asymmetric min-max rounding (range including 0), float64, scales rounded up to
+    ``11 - bits`` significant bits (exact float16 affine scales): the textbook round-to-nearest."""
     qmax = 2**bits - 1
     g = w.astype(np.float64).reshape(w.shape[0], -1, group_size)
     lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
-    s = ((hi - lo) / qmax).astype(np.float16).astype(np.float64)
+    m, e = np.frexp((hi - lo) / qmax)
+    k = max(1, 11 - bits)
+    s = np.ldexp(np.ceil(m * 2.0**k), e - k)
     z = np.clip(np.rint(-lo / s), 0, qmax)
     q = np.clip(np.rint(g / s[..., None]) + z[..., None], 0, qmax)
     return (s[..., None] * (q - z[..., None])).reshape(w.shape)
@@ -82,9 +86,11 @@ def test_rtn_handles_all_zero_and_constant_groups():
     w[1] = 0.5
     w[2, :32] = -3e-7  # below float16's smallest normal
     q, s, z = rtn.quantize(w, 4, 32)
-    # Off only by the float16 rounding of the scale (relative 2**-11).
-    np.testing.assert_allclose(dense(q, s, z, 32), w, rtol=2**-11, atol=1e-7)
-    assert np.all(s > 0)
+    # Every weight within half a step (its scale is an exact float16 affine scale: at least
+    # float16's smallest normal, 7 significant bits), and no scale is 0.
+    step = np.repeat(s.astype(np.float64), 32, axis=1)
+    assert np.all(np.abs(dense(q, s, z, 32) - w) <= step / 2)
+    assert np.all(s >= 2.0**-14)
 
 
 def test_rtn_rejects_a_group_size_that_does_not_divide_the_row():
@@ -243,8 +249,8 @@ def test_awq_scales_cut_the_output_error_when_a_few_inputs_dominate():
     def error(w, w_hat):
         return np.mean(np.sum((x.astype(np.float64) @ (w - w_hat).T) ** 2, axis=1))
 
-    with_s = sum(error(w, awq._dequantized(w * s, 4, 32) / s) for w in weights)
-    without = sum(error(w, awq._dequantized(w, 4, 32)) for w in weights)
+    with_s = sum(error(w, awq._dequantized(w * s, 4, 32, "float16") / s) for w in weights)
+    without = sum(error(w, awq._dequantized(w, 4, 32, "float16")) for w in weights)
     np.testing.assert_allclose(with_s / without, ratio, rtol=1e-3)
     flat = np.eye(128)  # no dominant inputs: nothing to gain, and no loss either
     assert awq.search_scales(weights, flat, 4, 32)[2] <= 1.0

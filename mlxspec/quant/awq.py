@@ -39,11 +39,11 @@ ALPHAS = np.arange(20) / 20  # the grid of exponents searched (as AutoAWQ)
 SEARCH_ROWS = 512  # output rows per layer that the search scores (evenly spaced; all if fewer)
 
 
-def _dequantized(w: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+def _dequantized(w: np.ndarray, bits: int, group_size: int, dtype: str) -> np.ndarray:
     """Round-to-nearest (min-max; the clipping search comes after) and back, float32."""
     out_features, in_features = w.shape
     groups = w.reshape(out_features, -1, group_size)
-    s, z = rtn.find_params(groups, bits, grid=1)
+    s, z = rtn.find_params(groups, bits, grid=1, dtype=dtype)
     q = rtn.quantize_with(groups, s, z, bits)
     return (s[..., None] * (q - z[..., None])).reshape(out_features, in_features)
 
@@ -61,7 +61,8 @@ def _scored_rows(weights: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def search_scales(
-    weights: list[np.ndarray], hessian: np.ndarray, bits: int, group_size: int
+    weights: list[np.ndarray], hessian: np.ndarray, bits: int, group_size: int,
+    dtype: str = "float16",
 ) -> tuple[np.ndarray, float, float]:
     """The per-input-channel scales for linears sharing one input.
 
@@ -69,6 +70,7 @@ def search_scales(
         weights: float32 ``(out_i, in)`` matrices of the linears reading the same input.
         hessian: float64 ``(in, in)``, ``X.T X / rows`` of that input.
         bits, group_size: the quantization the scales are searched for.
+        dtype: the model's dtype (the quantizer's scales are exact in it).
 
     Returns:
         ``(s, alpha, error ratio)``: float32 ``(in,)`` scales (multiply the weights' columns,
@@ -84,7 +86,7 @@ def search_scales(
         s = rms**alpha
         s = s / np.sqrt(s.max() * s.min())
         err = sum(
-            output_error(w, _dequantized(w * s, bits, group_size) / s, hessian32) for w in weights
+            output_error(w, _dequantized(w * s, bits, group_size, dtype) / s, hessian32) for w in weights
         )
         errors.append((err, alpha, s))
     best = min(errors, key=lambda e: e[0])
@@ -93,7 +95,7 @@ def search_scales(
 
 def scaling_helps(
     weights: list[np.ndarray], hessian: np.ndarray, s: np.ndarray, bits: int, group_size: int,
-    grid: int = rtn.DEFAULT_GRID,
+    grid: int = rtn.DEFAULT_GRID, dtype: str = "float16",
 ) -> bool:
     """Whether ``s`` lowers the group's output error once the final quantizer (the clipping
     search, importance-weighted) is used: the search scores min-max rounding, so this check keeps
@@ -106,7 +108,7 @@ def scaling_helps(
         total = 0.0
         for w in weights:
             q, scales, zeros = rtn.quantize(w * scale, bits, group_size, grid=grid,
-                                            importance=energy / scale**2)
+                                            importance=energy / scale**2, dtype=dtype)
             groups = q.reshape(q.shape[0], -1, group_size).astype(np.float32) - zeros[..., None]
             w_hat = (groups * scales.astype(np.float32)[..., None]).reshape(w.shape) / scale
             total += output_error(w, w_hat, hessian32)

@@ -27,6 +27,7 @@ import numpy as np
 
 from mlxspec.errors import UnsupportedModelError
 from mlxspec.quant import format
+from mlxspec.quant.storage import build_model, read_safetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AutoAWQ word holds output feature AWQ_ORDER[k]
 
@@ -150,8 +151,6 @@ def convert_weights(weights: dict[str, mx.array], quantization_config: dict) -> 
 def load(model_dir: Path, config: dict, lazy: bool):
     """Loader of AutoGPTQ/AutoAWQ checkpoints (see :mod:`mlxspec.load`)."""
     from mlx_lm.utils import load_config
-
-    from mlxspec.quant.layers import build_model, read_safetensors
 
     config = load_config(Path(model_dir))
     quantization_config = config.pop("quantization_config")

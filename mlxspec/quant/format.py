@@ -23,9 +23,9 @@ shared unchanged with ``mx.quantized_matmul``. Every 8 consecutive elements fill
 bytes (a "pack", the kernels' unit) and every 32 exactly ``bits`` words; a group is a whole number
 of both.
 
-Storage: ``bits + (16 + bits) / g`` bits per weight, against MLX affine's ``bits + 32 / g`` (a
-float16 bias costs 16 bits a group, a zero-point ``bits``): at 4 bits, g=64, 4.31 against 4.5. See
-:func:`bits_per_weight`.
+Storage of the zero-point form: ``bits + (16 + bits) / g`` bits per weight, against MLX affine's
+``bits + 32 / g`` (a float16 bias costs 16 bits a group, a zero-point ``bits``): at 4 bits, g=64,
+4.31 against 4.5. See :func:`bits_per_weight`.
 
 Worked example (bits=4, g=32, one row of 64 weights, so two groups). Group 0 has s=0.05, z=6; its
 first eight weights ``[-0.15, -0.30, 0.45, 0.05, 0.10, -0.25, -0.20, 0.15]`` are
@@ -34,9 +34,21 @@ first eight weights ``[-0.15, -0.30, 0.45, 0.05, 0.10, -0.25, -0.20, 0.15]`` are
 8 words; ``scales`` is ``[0.05, s1]`` and with group 1's zero-point ``z1 = 5`` the zeros row is one
 word ``6 | 5<<4 = 0x56``.
 
-Lossless MLX affine form: MLX stores ``w = scale * q + bias``, so ``bias = -s * z``
-(:func:`to_mlx_affine`). ``s * z`` has at most 11 + 8 significant bits, so it is exact in float32
-but not in float16; with float32 biases ``s*q + bias`` equals ``s * (q - z)`` exactly.
+Exact MLX affine form (the default output, ``--format mlx``). MLX stores ``w = scale * q + bias``
+with ``scale`` and ``bias`` in the model's dtype ``T`` and computes it in ``T``. With ``bias = -s*z``
+that is bit-exact ``s * (q - z)`` -- and ``z = -bias / scale`` is recovered exactly -- when ``s`` has
+at most ``max(1, p - bits)`` significant bits (``p``: ``T``'s precision, 11 for float16, 8 for
+bfloat16, 24 for float32) and is a normal number: then ``s*q``, ``s*z`` and ``s*(q - z)`` all fit
+in ``T``, whatever the order of evaluation (:func:`round_scales`, :func:`scales_are_exact`). The
+quantizers search only such scales: 7 significant bits at 4 bits in float16, 3 at 8 bits; 4 at
+4 bits in bfloat16, a power of two at 8 bits. Example: s = 0.05 (float16 0.0500030517578125,
+11 significant bits) is not exact at 4 bits; :func:`round_scales` makes it ``51 * 2**-10 =
+0.0498046875``, and with z = 6 the bias ``-0.298828125`` and every ``s*q`` are exact float16 values.
+Storage: ``bits + 32 / g`` bits per weight, exactly mlx-lm's.
+
+Zero-point form (``--format zp``, for what cannot be made exact: imported GPTQ/AWQ checkpoints with
+arbitrary float16 scales, act-order): ``weight``, ``scales`` and packed integer ``zeros``; read by
+mlxspec only. :func:`to_mlx_affine` of such a layer needs float32 biases to stay exact.
 
 Every function takes numpy or ``mx`` arrays and returns the same kind (numpy for tests and files,
 ``mx`` at run time); numpy has no bfloat16, so bfloat16 scales need ``mx`` arrays.
@@ -54,6 +66,9 @@ from mlxspec.errors import QuantizationError
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 BLOCK = 32  # elements per block: 32 elements of b bits fill exactly b uint32 words
+# Significant bits (precision p) and smallest normal number of each scale dtype.
+PRECISION = {"float16": (11, 2.0**-14), "bfloat16": (8, 2.0**-126), "float32": (24, 2.0**-126)}
+DTYPES = tuple(PRECISION)
 
 
 def check_spec(bits: int, group_size: int, in_features: int) -> None:
@@ -83,6 +98,64 @@ def packed_cols(cols: int, bits: int) -> int:
 def bits_per_weight(bits: int, group_size: int, scale_bits: int = 16) -> float:
     """Storage cost in bits per weight: ``bits + (scale_bits + bits) / group_size``."""
     return bits + (scale_bits + bits) / group_size
+
+
+def dtype_name(dtype) -> str:
+    """``"float16"``, ``"bfloat16"`` or ``"float32"`` for a name, an mx dtype or a numpy dtype."""
+    name = str(dtype).split(".")[-1]
+    if name not in PRECISION:
+        raise QuantizationError(f"unsupported dtype {name}: choose {', '.join(DTYPES)}")
+    return name
+
+
+def scale_bits(bits: int, dtype) -> int:
+    """Significant bits a scale may have for ``s*q`` and ``s*z`` to be exact in ``dtype``."""
+    return max(1, PRECISION[dtype_name(dtype)][0] - bits)
+
+
+def round_scales(s, bits: int, dtype, *, up: bool = False) -> np.ndarray:
+    """Scales rounded to nearest (``up``: upward) with :func:`scale_bits` significant bits, at
+    least the dtype's smallest normal number: float32 numpy values, each exactly representable in
+    ``dtype`` and making the affine form of ``bits``-bit weights exact (module docstring).
+
+    Args:
+        s: positive float scales (numpy), any shape.
+    """
+    precision, smallest = PRECISION[dtype_name(dtype)]
+    k = scale_bits(bits, dtype)
+    m, e = np.frexp(np.maximum(np.asarray(s, np.float64), smallest))  # s = m * 2**e, m in [.5, 1)
+    rounded = np.ldexp((np.ceil if up else np.rint)(np.ldexp(m, k)), e - k)
+    return rounded.astype(np.float32)
+
+
+def scales_are_exact(scales, bits: int) -> bool:
+    """True if every scale (in its own dtype) keeps the affine form of ``bits``-bit weights exact."""
+    dtype = scales.dtype
+    s = np.array(scales.astype(mx.float32) if isinstance(scales, mx.array) else scales, np.float64)
+    precision, smallest = PRECISION[dtype_name(dtype)]
+    m, e = np.frexp(s)
+    k = scale_bits(bits, dtype)
+    return bool(np.all(s >= smallest) and np.all(np.ldexp(m, k) == np.rint(np.ldexp(m, k))))
+
+
+def zeros_from_affine(scales, biases, bits: int):
+    """The integer zero-points ``z = -bias / scale`` of an affine layer, or None.
+
+    Args:
+        scales, biases: ``(out, n_groups)`` arrays (numpy or mx), any float dtype.
+
+    Returns:
+        uint8 numpy ``(out, n_groups)`` if every ``z`` is an integer in ``[0, 2**bits)`` with
+        ``scale * z == -bias`` exactly; else None (e.g. GGUF Q4_1's float minimum: keep the layer
+        as MLX affine).
+    """
+    s = np.array(scales.astype(mx.float32) if isinstance(scales, mx.array) else scales, np.float64)
+    b = np.array(biases.astype(mx.float32) if isinstance(biases, mx.array) else biases, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.rint(-b / s)
+    if not np.all(np.isfinite(z)) or np.any(z < 0) or np.any(z >= 2**bits) or np.any(s * z != -b):
+        return None
+    return z.astype(np.uint8)
 
 
 def _xp(a):
@@ -197,17 +270,19 @@ def to_mlx_affine(weight, scales, zeros, bits: int, group_size: int, bias_dtype=
     weight is reused unchanged (same bit layout).
 
     Args:
-        bias_dtype: dtype of the biases. The default, float32, makes the conversion exact
-            (``s*q + bias == s*(q - z)`` in float32). float16/bfloat16 biases halve their memory but
-            round ``s*z`` (relative error up to 2**-12 of ``s*z``, i.e. up to ``z/4096`` of a step).
+        bias_dtype: dtype of the biases. The default is the exact one: the scales' dtype when the
+            scales are exact (:func:`scales_are_exact`; then ``bias`` and every ``scale * q + bias``
+            are exact in that dtype), else float32 (``s*q + bias == s*(q - z)`` in float32, and
+            ``mx.quantized_matmul`` then returns float32).
 
     Returns:
         ``(weight, scales, biases)``: weight as given, scales as given, biases ``(out, in / g)``.
-        With float32 biases and half-precision scales ``mx.quantized_matmul`` returns float32.
     """
     weight, scales, zeros = _to_array(weight), _to_array(scales), _to_array(zeros)
     xp = _xp(weight)
     in_features = _check_shapes(weight, scales, zeros, bits, group_size)
     z = unpack(zeros, bits, in_features // group_size).astype(xp.float32)
     biases = -scales.astype(xp.float32) * z
-    return weight, scales, biases.astype(bias_dtype or xp.float32)
+    if bias_dtype is None:
+        bias_dtype = scales.dtype if scales_are_exact(scales, bits) else xp.float32
+    return weight, scales, biases.astype(bias_dtype)

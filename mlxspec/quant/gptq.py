@@ -80,6 +80,7 @@ def quantize(
     damp: float = DEFAULT_DAMP,
     act_order: bool = False,
     grid: int = rtn.DEFAULT_GRID,
+    dtype: str = "float16",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """GPTQ-quantize one weight matrix.
 
@@ -90,9 +91,11 @@ def quantize(
         damp: damping of H's diagonal, relative to its mean.
         act_order: quantize columns by decreasing ``H[i, i]`` (the result is column-permuted).
         grid: clipping ratios tried per group (1 = min-max).
+        dtype: the model's dtype; scales are exact in it (:func:`mlxspec.quant.rtn.find_params`).
 
     Returns:
-        ``(q, scales, zeros, perm)``: uint8 ``(out, in)``, float16 ``(out, in / g)``, uint8
+        ``(q, scales, zeros, perm)``: uint8 ``(out, in)``, float32 ``(out, in / g)`` (exact in
+        ``dtype``), uint8
         ``(out, in / g)``, and ``perm`` (int64 ``(in,)``) or None. With ``perm``, column ``j`` of
         ``q`` quantizes input feature ``perm[j]``: ``y = x[..., perm] @ dequantized.T``.
     """
@@ -121,7 +124,7 @@ def quantize(
         for j in range(i2 - i1):
             col = i1 + j
             if col % group_size == 0:  # a new group starts: pick its parameters now
-                s, z = rtn.find_params(block[:, j : j + group_size], bits, grid=grid)
+                s, z = rtn.find_params(block[:, j : j + group_size], bits, grid=grid, dtype=dtype)
                 scales[:, col // group_size], zeros[:, col // group_size] = s, z
             qcol = np.clip(np.rint(block[:, j] / s) + z, 0, qmax)
             q[:, col] = qcol
@@ -129,4 +132,4 @@ def quantize(
             block[:, j:] -= np.outer(err, u[col, col:i2])
             errors[:, j] = err
         w[:, i2:] -= errors @ u[i1:i2, i2:]
-    return q, scales.astype(np.float16), zeros.astype(np.uint8), perm
+    return q, scales, zeros.astype(np.uint8), perm

@@ -1,6 +1,5 @@
 """Zero-point quantized layers, drop-in replacements for ``nn.Linear`` and ``nn.Embedding`` in any
-mlx-lm model, and the loader of the mlxspec zero-point format (registered with
-:func:`mlxspec.load.register_format` when this module is imported).
+mlx-lm model (saving and loading: :mod:`mlxspec.quant.storage`).
 
 Each layer holds the three arrays of :mod:`mlxspec.quant.format` (``weight``, ``scales``,
 ``zeros``), plus ``bias`` when the layer has one and ``perm`` for GPTQ act-order layers, whose
@@ -27,18 +26,16 @@ from __future__ import annotations
 
 import os
 import weakref
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlxspec.errors import CorruptModelError, QuantizationError
+from mlxspec.errors import QuantizationError
 from mlxspec.quant import format, kernels
 
 CPU_PATH_ENV = "MLXSPEC_ZP_CPU"  # "auto" (default), "dense" or "quantized"
 DENSE_BUDGET_ENV = "MLXSPEC_ZP_DENSE_GB"  # float32 copies allowed on the CPU path, in GB
-FORMAT_NAME = "zp"  # config.json: {"quantization": {"format": "zp", ...}}
 
 _dense_bytes = 0  # float32 copies currently held by CPU-path layers, in bytes
 
@@ -107,14 +104,16 @@ def _release(nbytes: int) -> None:
     _dense_bytes -= nbytes
 
 
-class _Cache:
-    """Arrays derived from a layer's packed weight, rebuilt when the weight arrays change."""
+class _Derived:
+    """Arrays derived from a layer's packed weight (not a KV cache), rebuilt when the weight
+    arrays change: the affine biases ``-s*z`` (exact dtype, see :func:`format.to_mlx_affine`),
+    and on the CPU dense path a float32 copy of the weight, made on the first matmul."""
 
-    def __init__(self):
-        self.source = None  # (weight, scales, zeros) the derived arrays were built from
+    def __init__(self, source):
+        self.source = source  # (weight, scales, zeros) the derived arrays were built from
+        self.biases = None
         self.path = None
-        self.biases = None  # float32 affine biases -s*z (quantized path)
-        self.dense = None  # float32 (out, in) (dense path)
+        self.dense = None  # float32 (out, in)
 
 
 # -- the layers ----------------------------------------------------------------------------------
@@ -132,12 +131,13 @@ class _ZeroPoint(nn.Module):
         self.weight = mx.zeros((out_features, in_features * bits // 32), dtype=mx.uint32)
         self.scales = mx.ones((out_features, n_groups), dtype=mx.float16)
         self.zeros = mx.zeros((out_features, format.packed_cols(n_groups, bits)), dtype=mx.uint32)
-        self._cache = _Cache()
+        self._cache: _Derived | None = None
 
-    def set_quantized(self, q, scales, zeros) -> None:
-        """Store integers ``q`` ``(out, in)``, scales and integer zero-points ``(out, in / g)``."""
+    def set_quantized(self, q, scales, zeros, scale_dtype=mx.float16) -> None:
+        """Store integers ``q`` ``(out, in)``, scales (as ``scale_dtype``) and integer
+        zero-points ``(out, in / g)``."""
         self.weight = mx.array(format.pack(q, self.bits))
-        self.scales = mx.array(scales).astype(mx.float16)
+        self.scales = mx.array(scales).astype(scale_dtype)
         self.zeros = mx.array(format.pack(zeros, self.bits))
 
     def dequantize(self, dtype=mx.float32) -> mx.array:
@@ -146,32 +146,32 @@ class _ZeroPoint(nn.Module):
             self.weight, self.scales, self.zeros, self.bits, self.group_size, dtype=dtype
         )
 
-    def _derived(self) -> _Cache:
-        """This layer's cache, rebuilt if its arrays were replaced (e.g. by load_weights)."""
-        c = self._cache
+    def _derived(self) -> _Derived:
+        """This layer's derived arrays, rebuilt if its arrays were replaced (e.g. by
+        load_weights)."""
+        d = self._cache
         source = (self.weight, self.scales, self.zeros)
-        if c.source is None or any(a is not b for a, b in zip(c.source, source, strict=True)):
-            self._cache = c = _Cache()
-            c.source = source
-            c.path = matmul_path(self.out_features, self.in_features)
-            if c.path == "dense":
-                global _dense_bytes
-                c.dense = self.dequantize(mx.float32)
-                nbytes = 4 * self.out_features * self.in_features
-                _dense_bytes += nbytes
-                weakref.finalize(c, _release, nbytes)
-            else:
-                c.biases = format.to_mlx_affine(*source, self.bits, self.group_size)[2]
-        return c
+        if d is None or any(a is not b for a, b in zip(d.source, source, strict=True)):
+            self._cache = d = _Derived(source)
+            d.biases = format.to_mlx_affine(*source, self.bits, self.group_size)[2]
+        return d
 
     def _matmul(self, x: mx.array) -> mx.array:
         """``x @ W.T``: x ``(..., in)`` float -> ``(..., out)`` of x's dtype."""
-        c = self._derived()
-        if c.path == "dense":
-            return (x.astype(mx.float32) @ c.dense.T).astype(x.dtype)
+        d = self._derived()
+        if d.path is None:
+            d.path = matmul_path(self.out_features, self.in_features)
+            if d.path == "dense":
+                global _dense_bytes
+                d.dense = self.dequantize(mx.float32)
+                nbytes = 4 * self.out_features * self.in_features
+                _dense_bytes += nbytes
+                weakref.finalize(d, _release, nbytes)
+        if d.path == "dense":
+            return (x.astype(mx.float32) @ d.dense.T).astype(x.dtype)
         return kernels.zp_matmul(
             x, self.weight, self.scales, self.zeros, bits=self.bits,
-            group_size=self.group_size, biases=c.biases,
+            group_size=self.group_size, biases=d.biases,
         )
 
     def _extra_repr(self) -> str:
@@ -208,7 +208,8 @@ class ZeroPointLinear(_ZeroPoint):
 
     @classmethod
     def from_quantized(
-        cls, q, scales, zeros, *, bits: int, group_size: int, bias=None, perm=None
+        cls, q, scales, zeros, *, bits: int, group_size: int, bias=None, perm=None,
+        scale_dtype=mx.float16,
     ) -> ZeroPointLinear:
         """A layer from integer ``q`` ``(out, in)``, ``scales`` and integer ``zeros``
         ``(out, in / g)`` (numpy or mx), an optional ``bias`` and act-order ``perm``."""
@@ -217,7 +218,7 @@ class ZeroPointLinear(_ZeroPoint):
             in_features, out_features, bias is not None, bits=bits, group_size=group_size,
             permuted=perm is not None,
         )
-        layer.set_quantized(q, scales, zeros)
+        layer.set_quantized(q, scales, zeros, scale_dtype)
         if bias is not None:
             layer.bias = mx.array(bias)
         if perm is not None:
@@ -252,26 +253,24 @@ class ZeroPointEmbedding(_ZeroPoint):
 
     @classmethod
     def from_quantized(
-        cls, q, scales, zeros, *, bits: int, group_size: int, dtype=mx.float32
+        cls, q, scales, zeros, *, bits: int, group_size: int, dtype=mx.float32,
+        scale_dtype=mx.float16,
     ) -> ZeroPointEmbedding:
         num_embeddings, dims = q.shape
         layer = cls(num_embeddings, dims, bits=bits, group_size=group_size, dtype=dtype)
-        layer.set_quantized(q, scales, zeros)
+        layer.set_quantized(q, scales, zeros, scale_dtype)
         return layer
 
     def __call__(self, ids: mx.array) -> mx.array:
-        """ids: integer ``(...)`` -> ``(..., dims)`` of ``self.dtype``."""
-        c = self._derived()
-        if c.path == "dense":
-            return c.dense[ids].astype(self.dtype)
-        if c.biases is None:  # Metal: the kernels do not need the affine form, lookups do
-            c.biases = format.to_mlx_affine(*c.source, self.bits, self.group_size)[2]
-        # float32 scales: mx.dequantize computes in the scales' dtype, and s*q - s*z is exact
-        # only in float32.
-        rows = mx.dequantize(
-            self.weight[ids], self.scales[ids].astype(mx.float32), c.biases[ids],
-            self.group_size, self.bits,
-        )
+        """ids: integer ``(...)`` -> ``(..., dims)`` of ``self.dtype``.
+
+        Rows are dequantized as looked up (never a dense copy of the table for lookups): in the
+        scales' dtype when the affine form is exact in it, else in float32."""
+        d = self._derived()
+        scales = self.scales[ids]
+        if d.biases.dtype != scales.dtype:
+            scales = scales.astype(mx.float32)  # float32 biases: s*q - s*z is exact only there
+        rows = mx.dequantize(self.weight[ids], scales, d.biases[ids], self.group_size, self.bits)
         return rows.astype(self.dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
@@ -296,16 +295,21 @@ def replace_modules(model: nn.Module, modules: dict[str, nn.Module]) -> None:
 
 
 def zero_point_like(
-    module: nn.Module, q, scales, zeros, *, bits: int, group_size: int, perm=None
+    module: nn.Module, q, scales, zeros, *, bits: int, group_size: int, perm=None, dtype=None
 ) -> nn.Module:
-    """The zero-point replacement of an ``nn.Linear`` (bias kept) or ``nn.Embedding`` (rows in
-    its dtype), from integers ``q`` ``(out, in)``, ``scales`` and ``zeros`` ``(out, in / g)``."""
+    """The zero-point replacement of an ``nn.Linear`` (bias kept) or ``nn.Embedding``, from
+    integers ``q`` ``(out, in)``, ``scales`` and ``zeros`` ``(out, in / g)``.
+
+    ``dtype``: the model's dtype (scales, bias, looked-up rows); default the module's."""
+    dtype = dtype or module.weight.dtype
     if isinstance(module, nn.Embedding):
         return ZeroPointEmbedding.from_quantized(
-            q, scales, zeros, bits=bits, group_size=group_size, dtype=module.weight.dtype
+            q, scales, zeros, bits=bits, group_size=group_size, dtype=dtype, scale_dtype=dtype
         )
+    bias = module.get("bias")
     return ZeroPointLinear.from_quantized(
-        q, scales, zeros, bits=bits, group_size=group_size, bias=module.get("bias"), perm=perm
+        q, scales, zeros, bits=bits, group_size=group_size, perm=perm, scale_dtype=dtype,
+        bias=None if bias is None else bias.astype(dtype),
     )
 
 
@@ -322,128 +326,6 @@ def is_quantized(model: nn.Module) -> bool:
     )
 
 
-def activation_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
-    """The model's float dtype, read from its unquantized float weights (norms, biases)."""
-    for key, value in weights.items():
-        if mx.issubdtype(value.dtype, mx.floating) and not key.endswith(".scales"):
-            return value.dtype
-    return mx.float32
-
-
-def swap_in_zero_point(model: nn.Module, weights: dict[str, mx.array]) -> None:
-    """Replace each ``nn.Linear``/``nn.Embedding`` whose weights are zero-point in ``weights``
-    (``<path>.zeros`` present) by a zero-point layer of the shapes those arrays imply."""
-    dtype = activation_dtype(weights)
-    new = {}
-    for path, module in model.named_modules():
-        if f"{path}.zeros" not in weights or not isinstance(module, (nn.Linear, nn.Embedding)):
-            continue
-        out_features, in_features = module.weight.shape
-        packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-        bits = packed.shape[-1] * 32 // in_features
-        group_size = in_features // max(scales.shape[-1], 1)
-        if packed.shape[-1] * 32 != bits * in_features or scales.shape[-1] * group_size != (
-            in_features
-        ):
-            raise CorruptModelError(
-                f"{path}: packed weight {tuple(packed.shape)} / scales {tuple(scales.shape)} "
-                f"do not fit a {out_features}x{in_features} layer: the checkpoint is corrupt"
-            )
-        try:
-            if isinstance(module, nn.Embedding):
-                new[path] = ZeroPointEmbedding(
-                    out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
-                )
-            else:
-                new[path] = ZeroPointLinear(
-                    in_features, out_features, "bias" in module, bits=bits,
-                    group_size=group_size, permuted=f"{path}.perm" in weights,
-                )
-        except QuantizationError as e:
-            raise CorruptModelError(f"{path}: {e}") from e
-    replace_modules(model, new)
-
-
-def to_mlx_affine_model(model: nn.Module) -> nn.Module:
-    """Replace every zero-point layer by MLX's own ``nn.QuantizedLinear``/``QuantizedEmbedding``
-    holding the exact affine form (float32 biases ``-s*z``; float32 scales for embeddings), so
-    mlx-lm can load the saved model and compute the same numbers.
-
-    Raises QuantizationError for act-order layers (MLX has no input permutation).
-    """
-    new = {}
-    for path, layer in zero_point_modules(model).items():
-        if "perm" in layer:
-            raise QuantizationError(
-                f"{path} was quantized with act-order, which MLX's affine format cannot express: "
-                "save it with --format zp, or quantize without --act-order"
-            )
-        weight, scales, biases = format.to_mlx_affine(
-            layer.weight, layer.scales, layer.zeros, layer.bits, layer.group_size
-        )
-        if isinstance(layer, ZeroPointEmbedding):
-            affine = nn.QuantizedEmbedding(
-                layer.num_embeddings, layer.dims, group_size=layer.group_size, bits=layer.bits
-            )
-            # mlx-lm looks rows up with mx.dequantize, which computes in the scales' dtype:
-            # float32 scales keep the lookups exact (16 more bits per group, in this table only).
-            scales = scales.astype(mx.float32)
-        else:
-            affine = nn.QuantizedLinear(
-                layer.in_features, layer.out_features, "bias" in layer,
-                group_size=layer.group_size, bits=layer.bits,
-            )
-            if "bias" in layer:
-                affine.bias = layer.bias
-        affine.weight, affine.scales, affine.biases = weight, scales, biases
-        new[path] = affine
-    replace_modules(model, new)
-    return model
-
-
-# -- loading the zero-point format ------------------------------------------------------------
-
-
-def is_zero_point_config(config: dict) -> bool:
-    quantization = config.get("quantization")
-    return isinstance(quantization, dict) and quantization.get("format") == FORMAT_NAME
-
-
-def read_safetensors(model_dir: Path) -> dict[str, mx.array]:
-    """Every tensor of the directory's ``model*.safetensors`` files."""
-    files = sorted(Path(model_dir).glob("model*.safetensors"))
-    if not files:
-        raise CorruptModelError(f"{model_dir} has no model*.safetensors weights")
-    weights = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    return weights
-
-
-def build_model(model_dir: Path, config: dict, weights: dict[str, mx.array], lazy: bool):
-    """The mlx-lm model for ``config`` holding ``weights`` (zero-point layers where the weights
-    are zero-point), loaded strictly."""
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    swap_in_zero_point(model, weights)
-    model.eval()
-    model.load_weights(list(weights.items()), strict=True)
-    if not lazy:
-        mx.eval(model.parameters())
-    return model
-
-
-def load_zero_point(model_dir: Path, config: dict, lazy: bool) -> nn.Module:
-    """Loader of the ``zp`` weight format (see :mod:`mlxspec.load`)."""
-    from mlx_lm.utils import load_config
-
-    return build_model(model_dir, load_config(Path(model_dir)), read_safetensors(model_dir), lazy)
-
-
 def model_summary(model: nn.Module) -> dict:
     """Counts for reports: zero-point layers by bits and the CPU paths they took."""
     layers = zero_point_modules(model).values()
@@ -457,12 +339,26 @@ def model_summary(model: nn.Module) -> dict:
     }
 
 
-def _register() -> None:
-    from mlxspec.load import WeightFormat, register_format
-    from mlxspec.quant import checkpoints
-
-    register_format(WeightFormat("gptq/awq", checkpoints.is_checkpoint_config, checkpoints.load))
-    register_format(WeightFormat(FORMAT_NAME, is_zero_point_config, load_zero_point))
-
-
-_register()
+def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
+    """The zero-point twin of an MLX ``QuantizedLinear``/``QuantizedEmbedding`` whose biases are
+    ``-scale * z`` for integer ``z`` (:func:`format.zeros_from_affine`), sharing its packed
+    weight and scales; None for any other layer (float minimum biases, other modes or bits)."""
+    if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
+        return None
+    bits, group_size = layer.bits, layer.group_size
+    if bits not in format.SUPPORTED_BITS or group_size not in format.SUPPORTED_GROUP_SIZES:
+        return None
+    z = format.zeros_from_affine(layer.scales, layer.biases, bits)
+    if z is None:
+        return None
+    out_features, in_features = layer.weight.shape[0], layer.weight.shape[1] * 32 // bits
+    if isinstance(layer, nn.QuantizedEmbedding):
+        new = ZeroPointEmbedding(out_features, in_features, bits=bits, group_size=group_size,
+                                 dtype=layer.scales.dtype)
+    else:
+        new = ZeroPointLinear(in_features, out_features, "bias" in layer, bits=bits,
+                              group_size=group_size)
+        if "bias" in layer:
+            new.bias = layer.bias
+    new.weight, new.scales, new.zeros = layer.weight, layer.scales, mx.array(format.pack(z, bits))
+    return new

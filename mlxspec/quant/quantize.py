@@ -4,6 +4,8 @@
                                          calibration_tokens=calibration_windows(tokenizer)[0])
     save_quantized(model, "out", config=config, quantization=quantization, source_dir=src)
 
+(``save_quantized`` lives in :mod:`mlxspec.quant.storage`.)
+
 Which layers get which bits is a *plan*: every ``nn.Linear`` and ``nn.Embedding`` (a tied output
 head is the embedding) at ``bits``/``group_size``, unless a recipe rule says otherwise
 (:func:`load_recipe`; JSON files in ``models/``, installed as ``mlxspec.recipes``).
@@ -25,9 +27,6 @@ Methods:
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
 from functools import partial
 from importlib import resources
 from pathlib import Path
@@ -37,28 +36,22 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxspec.errors import OutputExistsError, QuantizationError
+from mlxspec.errors import QuantizationError
 from mlxspec.quant import awq, format, gptq, rtn
-from mlxspec.quant.layers import (
-    FORMAT_NAME,
-    replace_modules,
-    to_mlx_affine_model,
-    zero_point_like,
-)
+from mlxspec.quant.layers import replace_modules, zero_point_like
 from mlxspec.quant.mixed import LayerSpec, load_recipe, plan_layers, quantizable_layers
+from mlxspec.quant.storage import (
+    ZP_FORMAT,
+    cast_floats,
+    model_dtype,
+    save_quantized,  # noqa: F401  (the saver, re-exported)
+)
 
 METHODS = ("rtn", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through the model
-FORMATS = (FORMAT_NAME, "mlx")
 DEFAULT_CALIBRATION_WINDOWS = 32
 DEFAULT_CALIBRATION_TOKENS = 256  # tokens per calibration window
 CALIBRATION_BATCH = 4  # windows run through a block at a time
-# Files copied from the source model directory next to the quantized weights.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
-)
 
 
 # -- calibration text ----------------------------------------------------------------------------
@@ -110,11 +103,13 @@ def calibration_windows(
 # -- quantizing ----------------------------------------------------------------------------------
 
 
-def _rtn_layer(module: nn.Module, spec: LayerSpec, grid: int) -> nn.Module:
+def _rtn_layer(module: nn.Module, spec: LayerSpec, grid: int, dtype: mx.Dtype) -> nn.Module:
     q, scales, zeros = rtn.quantize(
-        np.array(module.weight.astype(mx.float32)), spec.bits, spec.group_size, grid=grid
+        np.array(module.weight.astype(mx.float32)), spec.bits, spec.group_size, grid=grid,
+        dtype=format.dtype_name(dtype),
     )
-    return zero_point_like(module, q, scales, zeros, bits=spec.bits, group_size=spec.group_size)
+    return zero_point_like(module, q, scales, zeros, bits=spec.bits, group_size=spec.group_size,
+                           dtype=dtype)
 
 
 class _StopForward(Exception):
@@ -235,20 +230,21 @@ def _record_block(block, targets, hidden, args, kwargs, track_norms: bool
     return recorders
 
 
-def _gptq_block(block, prefix, targets, recorders, plan, *, act_order, damp, grid, **_):
+def _gptq_block(block, prefix, targets, recorders, plan, *, act_order, damp, grid, dtype, **_):
     quantized = {}
     for name, module in targets.items():
         spec = plan[f"{prefix}.{name}"]
         q, scales, zeros, perm = gptq.quantize(
             np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(),
             spec.bits, spec.group_size, damp=damp, act_order=act_order, grid=grid,
+            dtype=format.dtype_name(dtype),
         )
         quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                          group_size=spec.group_size, perm=perm)
+                                          group_size=spec.group_size, perm=perm, dtype=dtype)
     return quantized
 
 
-def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, **_):
+def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, dtype, **_):
     """Search and fold AWQ scales for each group of linears sharing an input, then quantize
     with importance-weighted RTN (see :mod:`mlxspec.quant.awq`)."""
     modules = dict(block.named_modules())
@@ -272,8 +268,8 @@ def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, **_):
         specs = [plan[f"{prefix}.{n}"] for n in names]
         weights = [np.array(targets[n].weight.astype(mx.float32)) for n in names]
         bits, group_size = min(sp.bits for sp in specs), max(sp.group_size for sp in specs)
-        s, _, _ = awq.search_scales(weights, h, bits, group_size)
-        if not awq.scaling_helps(weights, h, s, bits, group_size, grid):
+        s, _, _ = awq.search_scales(weights, h, bits, group_size, format.dtype_name(dtype))
+        if not awq.scaling_helps(weights, h, s, bits, group_size, grid, format.dtype_name(dtype)):
             continue
         fold(s)
         for n in names:
@@ -291,9 +287,10 @@ def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, **_):
     for name, module in targets.items():
         spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
         q, scales, zeros = rtn.quantize(w, spec.bits, spec.group_size, grid=grid,
-                                        importance=importance[name].astype(np.float32))
+                                        importance=importance[name].astype(np.float32),
+                                        dtype=format.dtype_name(dtype))
         quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                          group_size=spec.group_size)
+                                          group_size=spec.group_size, dtype=dtype)
     return quantized
 
 
@@ -344,6 +341,7 @@ def quantize_model(
     group_fallback: bool = False,
     damp: float = gptq.DEFAULT_DAMP,
     grid: int = rtn.DEFAULT_GRID,
+    dtype: str | mx.Dtype | None = None,
     progress: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Quantize ``model`` in place into zero-point layers.
@@ -358,6 +356,10 @@ def quantize_model(
         group_fallback: layers whose input size ``group_size`` does not divide use the largest
             supported group size that does, instead of an error.
         grid: clipping ratios tried per group (1 = min-max).
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of the scales and of
+            every unquantized parameter (so of activations and KV cache); default the model's.
+            Scales are chosen exact in it (:mod:`mlxspec.quant.format`), so
+            :func:`mlxspec.quant.storage.save_quantized` can write MLX's affine layout exactly.
         progress: show a rich progress bar (one step per layer).
 
     Returns:
@@ -370,6 +372,7 @@ def quantize_model(
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     format.check_spec(bits, group_size, group_size)
+    dtype = getattr(mx, format.dtype_name(dtype if dtype is not None else model_dtype(model)))
     plan = plan_layers(model, bits, group_size, recipe=recipe, group_fallback=group_fallback)
     calibration = None
     if method in CALIBRATED:
@@ -385,15 +388,17 @@ def quantize_model(
         if calibration is not None:
             block_method = _gptq_block if method == "gptq" else _awq_block
             done = _calibrated_blocks(model, plan, calibration, block_method, advance=advance,
-                                      act_order=act_order, damp=damp, grid=grid)
+                                      act_order=act_order, damp=damp, grid=grid, dtype=dtype)
         for path in todo:
             if path not in done:
-                replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid)})
+                replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid, dtype)})
                 advance()
+    cast_floats(model, dtype)
     mx.eval(model.parameters())
     quantization = {
-        "format": FORMAT_NAME,
+        "format": ZP_FORMAT,  # in memory; save_quantized records the format it writes
         "method": method,
+        "dtype": format.dtype_name(dtype),
         "bits": bits,
         "group_size": group_size,
         "act_order": bool(act_order and method == "gptq"),
@@ -439,74 +444,3 @@ def bits_per_weight(model: nn.Module) -> float:
     from mlx_lm.utils import compute_bits_per_weight
 
     return float(compute_bits_per_weight(model))
-
-
-# -- saving --------------------------------------------------------------------------------------
-
-
-def save_quantized(
-    model: nn.Module,
-    out_dir: str | Path,
-    *,
-    config: dict[str, Any],
-    quantization: dict[str, Any],
-    source_dir: str | Path | None = None,
-    output_format: str = FORMAT_NAME,
-    force: bool = False,
-    extra: dict[str, Any] | None = None,
-) -> Path:
-    """Write a quantized model directory atomically (a temporary sibling, then a rename).
-
-    Args:
-        model: a model quantized by :func:`quantize_model`. With ``output_format="mlx"`` it is
-            converted in place to MLX affine layers (exact: float32 biases ``-s*z``).
-        out_dir: the directory to create.
-        config: the source model's ``config.json`` dict.
-        quantization: what :func:`quantize_model` returned.
-        source_dir: copy the tokenizer, chat template and generation config from here.
-        output_format: ``"zp"`` (mlxspec, loaded by ``mlxspec.load``) or ``"mlx"`` (standard
-            mlx-lm affine, loaded by plain ``mlx_lm.load``).
-        force: replace an existing ``out_dir``.
-        extra: more keys for ``config["quantization"]`` (``source_model``, ``calibration_sha256``).
-
-    Returns:
-        ``out_dir`` as a Path.
-    """
-    from mlx_lm.utils import save_model
-
-    if output_format not in FORMATS:
-        raise QuantizationError(f"unknown format {output_format!r}: choose zp or mlx")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise OutputExistsError(f"{out_dir} exists: pass --force to overwrite it")
-    record = {**quantization, **(extra or {}), "format": output_format}
-    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    if output_format == "mlx":
-        to_mlx_affine_model(model)
-        record["mode"] = "affine"
-        for path, spec in record.pop("layers").items():
-            record[path] = False if spec is None else {**spec, "mode": "affine"}
-        config["quantization"] = record
-        config["quantization_config"] = record  # mlx-lm writes both (Hugging Face reads this)
-    else:
-        config["quantization"] = record
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_model(tmp, model, donate_model=False)
-        (tmp / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
-        if source_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(source_dir) / name).is_file():
-                    shutil.copy(Path(source_dir) / name, tmp / name)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir

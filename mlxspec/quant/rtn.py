@@ -3,7 +3,8 @@
 For each group of ``group_size`` weights (see :mod:`mlxspec.quant.format`) the range ``[lo, hi]``
 (which always contains 0, so that the zero-point ``z`` stays in ``[0, 2**bits - 1]``) is shrunk by
 a few ratios ``r`` in ``[min_ratio, 1]``; each candidate gives ``s = r * (hi - lo) / qmax`` rounded
-to the scales' dtype, ``z = round(-r * lo / s)`` and ``q = clip(round(w / s) + z, 0, qmax)``, and
+to an exact scale of the model's dtype (:func:`mlxspec.quant.format.round_scales`; rounded up at
+``r = 1``, so that min-max never clips), ``z = round(-r * lo / s)`` and ``q = clip(round(w / s) + z, 0, qmax)``, and
 the candidate with the smallest (optionally weighted) squared reconstruction error
 ``sum(weight * (s * (q - z) - w)**2)`` is kept. Clipping a few outliers lets the other weights of
 the group use finer steps; for 4-bit weights the error drops by ~10-20% against plain min-max.
@@ -16,17 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxspec.quant.format import check_spec
+from mlxspec.quant.format import check_spec, round_scales
 
 ROW_CHUNK = 512  # rows quantized at a time by quantize()
 DEFAULT_GRID = 10  # clipping ratios tried per group (20 gains ~1.5% less error, at twice the time)
 DEFAULT_MIN_RATIO = 0.5  # smallest ratio of the group's range tried
-
-
-def _round_scales(s: np.ndarray, scale_dtype) -> np.ndarray:
-    """``s`` rounded to ``scale_dtype`` (float16), as float32; never 0 (tiny groups keep a step)."""
-    tiny = np.finfo(scale_dtype).smallest_subnormal
-    return np.maximum(s, tiny).astype(scale_dtype).astype(np.float32)
 
 
 def quantize_with(w: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.ndarray:
@@ -63,7 +58,7 @@ def find_params(
     importance: np.ndarray | None = None,
     grid: int = DEFAULT_GRID,
     min_ratio: float = DEFAULT_MIN_RATIO,
-    scale_dtype=np.float16,
+    dtype: str = "float16",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scale and zero-point of each group, chosen by the clipping search.
 
@@ -74,10 +69,12 @@ def find_params(
             squared error (e.g. the mean squared input activation of its column).
         grid: number of clipping ratios tried, evenly spaced from 1 down to ``min_ratio``;
             1 gives plain min-max.
+        dtype: the model's dtype (``"float16"``, ``"bfloat16"``, ``"float32"``): scales are
+            exact for the affine form in it (:func:`mlxspec.quant.format.round_scales`).
 
     Returns:
-        ``(scales, zeros)``: float32 ``(...,)`` scales (exactly representable in ``scale_dtype``)
-        and float32 integer-valued zero-points.
+        ``(scales, zeros)``: float32 ``(...,)`` scales (exact in ``dtype``) and float32
+        integer-valued zero-points.
     """
     w = np.asarray(w, np.float32)
     qmax = 2**bits - 1
@@ -86,7 +83,7 @@ def find_params(
     best_s = best_z = np.zeros(w.shape[:-1], np.float32)
     best_err = np.full(w.shape[:-1], np.inf, np.float32)
     for ratio in np.linspace(1.0, min_ratio, grid) if grid > 1 else [1.0]:
-        s = _round_scales(ratio * (hi - lo) / qmax, scale_dtype)
+        s = round_scales(ratio * (hi - lo) / qmax, bits, dtype, up=ratio == 1.0)
         z = np.clip(np.rint(-ratio * lo / s), 0, qmax)
         err = _squared_error(w, s, z, qmax, importance)
         better = err < best_err
@@ -103,7 +100,7 @@ def quantize(
     *,
     importance: np.ndarray | None = None,
     grid: int = DEFAULT_GRID,
-    scale_dtype=np.float16,
+    dtype: str = "float16",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Round-to-nearest zero-point quantization of a weight matrix.
 
@@ -113,10 +110,11 @@ def quantize(
         importance: optional float32 ``(in_features,)`` per-column weighting of the squared error
             (e.g. ``E[x**2]`` of the layer's inputs).
         grid: clipping ratios tried (1 = plain min-max).
+        dtype: the model's dtype; the scales are exact in it (see :func:`find_params`).
 
     Returns:
-        ``(q, scales, zeros)``: uint8 ``(out, in)``, ``scale_dtype`` ``(out, in / g)``,
-        uint8 ``(out, in / g)``; ``w ~= scales * (q - zeros)`` group-wise.
+        ``(q, scales, zeros)``: uint8 ``(out, in)``, float32 ``(out, in / g)`` (values exact in
+        ``dtype``), uint8 ``(out, in / g)``; ``w ~= scales * (q - zeros)`` group-wise.
     """
     w = np.asarray(weight, np.float32)
     out_features, in_features = w.shape
@@ -124,11 +122,11 @@ def quantize(
     n_groups = in_features // group_size
     imp = None if importance is None else np.asarray(importance, np.float32).reshape(n_groups, -1)
     q = np.empty((out_features, in_features), np.uint8)
-    scales = np.empty((out_features, n_groups), scale_dtype)
+    scales = np.empty((out_features, n_groups), np.float32)
     zeros = np.empty((out_features, n_groups), np.uint8)
     for r in range(0, out_features, ROW_CHUNK):
         groups = w[r : r + ROW_CHUNK].reshape(-1, n_groups, group_size)
-        s, z = find_params(groups, bits, importance=imp, grid=grid, scale_dtype=scale_dtype)
+        s, z = find_params(groups, bits, importance=imp, grid=grid, dtype=dtype)
         q[r : r + ROW_CHUNK] = quantize_with(groups, s, z, bits).reshape(-1, in_features)
         scales[r : r + ROW_CHUNK] = s
         zeros[r : r + ROW_CHUNK] = z
