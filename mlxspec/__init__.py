@@ -10,10 +10,11 @@ from mlxspec import blas as _blas
 
 _blas.setup()
 
+from mlxspec.batch import batch_generate  # noqa: E402
 from mlxspec.errors import MlxspecError  # noqa: E402
 from mlxspec.generate import generate, stream_generate  # noqa: E402
 from mlxspec.load import load  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["MlxspecError", "generate", "load", "stream_generate", "__version__"]
+__all__ = ["MlxspecError", "batch_generate", "generate", "load", "stream_generate", "__version__"]
