@@ -12,7 +12,7 @@ from mlxspec import __version__
 from mlxspec.errors import MlxspecError
 
 # Module names under mlxspec.cli; each exposes a click command named `command`.
-COMMANDS = ("generate", "chat", "models", "bench", "doctor", "eval", "upload", "quantize", "batch")
+COMMANDS = ("generate", "chat", "models", "bench", "doctor", "eval", "upload", "quantize", "batch", "serve")
 
 
 class _Group(click.Group):

@@ -178,6 +178,7 @@ class Engine:
         self.solo_rate, self.plain_rate = _Rate(), _Rate()  # one stream: speculative vs batched
         self._plain_since_loss = 0
         self.tokens_generated = 0
+        self.peak_streams = 0  # the most streams active at once (a statistic)
 
     # -- requests joining and leaving ----------------------------------------------------------
 
@@ -206,6 +207,7 @@ class Engine:
                 rest = request.prompt[-1:]
         stream.cached_tokens = len(request.prompt) - len(rest)
         self.streams[stream.rid] = stream
+        self.peak_streams = max(self.peak_streams, len(self.streams))
         self._to_batch(stream, rest, cache)
         return stream.rid
 

@@ -50,3 +50,7 @@ class EvaluationError(MlxspecError):
 
 class HubError(MlxspecError):
     """A Hugging Face Hub operation failed (no token, no permission, conflict, network)."""
+
+
+class ServeAddressError(MlxspecError):
+    """``mlxspec serve`` cannot listen on the address asked for (in use, not ours)."""
