@@ -117,14 +117,20 @@ class _Solo:
 
 
 class _Rate:
-    """Moving average of tokens per second."""
+    """Tokens per second from a moving average of seconds per token (a speculative step's
+    tokens arrive together: the first carries the step's time, the others none)."""
 
     def __init__(self) -> None:
-        self.value: float | None = None
+        self.seconds: float | None = None
 
     def add(self, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        self.value = rate if self.value is None else (1 - EMA) * self.value + EMA * rate
+        per_token = seconds / max(tokens, 1)
+        self.seconds = per_token if self.seconds is None else (
+            (1 - EMA) * self.seconds + EMA * per_token)
+
+    @property
+    def value(self) -> float | None:
+        return None if self.seconds is None else 1.0 / max(self.seconds, 1e-9)
 
 
 class Engine:

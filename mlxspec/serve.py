@@ -291,8 +291,11 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise ApiError("a Content-Length header is required", 411)
-        if int(length) > self.owner.limits.max_body_bytes:
-            raise ApiError(f"the body is over {self.owner.limits.max_body_bytes} bytes", 413)
+        limit = self.owner.limits.max_body_bytes
+        if int(length) > limit:
+            if int(length) <= 4 * limit:  # read it away, so the client can read our answer
+                self.rfile.read(int(length))
+            raise ApiError(f"the body is over {limit} bytes", 413)
         raw = self.rfile.read(int(length))
         try:
             body = json.loads(raw)
