@@ -27,8 +27,9 @@ from mlxspec.generate import encode_prompt
 from mlxspec.load import model_bytes
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the throughput curve is measured at
-KNEE = 0.9  # the smallest batch reaching this fraction of the best measured throughput wins
+KNEE = 0.9  # doubling the batch must raise the throughput by 1 / KNEE (11 %) to be worth it
 MEMORY_FRACTION = 0.6  # of the available memory, for weights + KV caches
+CURVE_SECONDS = 10.0  # time the throughput curve may take; larger sizes go unmeasured after it
 
 
 @dataclass
@@ -88,10 +89,14 @@ def choose_batch_size(
     *,
     tokens_per_sequence: int,
     num_prompts: int,
-    context: int = 64,
+    context: int = 4,
     memory: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """The batch size for a job: what fits in memory, then the knee of the throughput curve.
+
+    The curve is measured at doubling batch sizes until the throughput stops growing by more
+    than 1 / KNEE for two doublings in a row (a few decode steps each), within ``CURVE_SECONDS``;
+    the smallest size within KNEE of the best wins.
 
     Args:
         tokens_per_sequence: prompt + completion tokens of a typical sequence (KV it needs).
@@ -107,15 +112,18 @@ def choose_batch_size(
     budget = MEMORY_FRACTION * memory - model_bytes(model)
     memory_cap = max(int(budget // per_sequence), 1)
     cap = min(memory_cap, num_prompts, CURVE_SIZES[-1])
-    curve = {}
-    for size in CURVE_SIZES:
-        if size > cap:
+    curve: dict[int, float] = {}
+    stalls, tic = 0, time.perf_counter()
+    for candidate in CURVE_SIZES:
+        if candidate > cap or stalls == 2 or time.perf_counter() - tic > CURVE_SECONDS:
             break
-        curve[size] = decode_throughput(model, size, context)
+        previous = max(curve.values(), default=0.0)
+        curve[candidate] = decode_throughput(model, candidate, context)
+        stalls = stalls + 1 if curve[candidate] < previous / KNEE else 0
     best = max(curve.values())
     size = min(s for s, rate in curve.items() if rate >= KNEE * best)
     if size == max(curve) and cap > size:  # still climbing at the largest size measured
-        size = cap
+        size = min(cap, 2 * size)
     report = {"memory_cap": memory_cap, "kv_bytes_per_sequence": per_sequence,
               "tokens_per_s": {str(s): round(r, 1) for s, r in curve.items()}}
     return size, report

@@ -281,7 +281,7 @@ class Engine:
             return False
         stream = next(iter(self.streams.values()))
         request = stream.request
-        if stream.generated == 0 or stream.processors or request.logprobs:
+        if stream.generated == 0 or stream.processors:
             return False  # still prefilling; processors need the batch's token history
         if request.max_tokens - stream.generated < MIN_SOLO_TOKENS:
             return False

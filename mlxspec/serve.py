@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import mlx.core as mx
+
 from mlxspec.engine import Engine, Event
 from mlxspec.openai_api import (
     ApiError,
@@ -95,6 +97,7 @@ class EngineThread(threading.Thread):
                         del self.tickets[event.rid]
         self._fail_all("the server is shutting down")
         self.engine.close()
+        mx.clear_streams()  # MLX's per-thread streams must go before the interpreter does
 
     def _admit(self, block: bool) -> None:
         try:
