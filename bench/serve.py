@@ -126,6 +126,8 @@ def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict
     """POST a streaming chat completion; times the chunks. ``stop_after``: disconnect early."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.connect()
+    sock = conn.sock  # kept: the response takes it over (HTTP/1.0)
     tic = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
@@ -148,7 +150,8 @@ def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict
                 result["times"].append(time.perf_counter() - tic)
                 result["text"] += content
         if stop_after is not None and len(result["times"]) >= stop_after:
-            conn.sock.close()
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
             result["disconnected"] = True
             break
     conn.close()
@@ -268,7 +271,8 @@ def batch(args) -> dict:
 
 def load_test(args) -> dict:
     port = free_port()
-    proc = start_server("mlxspec", args.model, port, ["--max-concurrent", str(args.load_clients)])
+    proc = start_server("mlxspec", args.model, port,
+                        ["--max-concurrent", str(2 * args.load_clients)])  # 429 = lost
     stop_at = time.monotonic() + args.load_seconds
     counts = {"stream_ok": 0, "plain_ok": 0, "disconnected": 0, "malformed_400": 0,
               "rejected_429": 0, "unexpected": 0}
