@@ -20,7 +20,8 @@ from mlxspec import __version__
 from mlxspec.errors import MlxspecError
 
 # Module names under mlxspec.cli; each exposes a click command named `command`.
-COMMANDS = ("generate", "chat", "models", "bench", "doctor", "eval", "upload", "quantize")
+COMMANDS = ("generate", "chat", "models", "bench", "doctor", "eval", "upload", "quantize",
+            "batch", "serve")
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 # OSError numbers that mean "this location cannot be written", a user-fixable condition.
 NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}

@@ -38,15 +38,16 @@ _LAZY = {
     "QuantizeReport": "mlxspec.quantize_flow",
     "evaluate": "mlxspec.evaluation",
     "system_report": "mlxspec.system",
-    "batch_generate": "mlxspec.batch",  # branch serve (add it to __all__ at merge)
+    "batch_generate": "mlxspec.batch",
 }
 
 __all__ = [
-    "MlxspecError", "QuantizeReport", "__version__", "evaluate", "generate", "load",
+    "MlxspecError", "QuantizeReport", "__version__", "batch_generate", "evaluate", "generate", "load",
     "quantize_to_dir", "stream_generate", "system_report",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports these
+    from mlxspec.batch import batch_generate
     from mlxspec.errors import MlxspecError
     from mlxspec.evaluation import evaluate
     from mlxspec.generate import generate, stream_generate

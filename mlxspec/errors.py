@@ -66,3 +66,7 @@ class NotWritableError(MlxspecError):
 
 class InvalidArgumentError(MlxspecError):
     """A generation argument is out of range (sampling, max_tokens, seed, token ids, context)."""
+
+
+class ServeAddressError(MlxspecError):
+    """``mlxspec serve`` cannot listen on the address asked for (in use, not ours)."""

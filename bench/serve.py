@@ -1,0 +1,373 @@
+"""Serving benchmark: mlxspec serve vs mlx_lm.server side by side, mlxspec batch, a load test.
+
+    python bench/serve.py [--model DIR] [--clients 1,2,4,8,16] [--requests 4] [--max-tokens 64]
+                          [--batch-prompts 256] [--load-clients 64] [--load-seconds 60]
+                          [--skip serving,speculation,batch,load] [--out result.json]
+
+Sections (JSON on stdout, one object):
+- ``serving``: for each server (``mlxspec serve`` and ``mlx_lm.server``, each a subprocess on
+  loopback, run one after the other, both with mlxspec's BLAS set-up), at each concurrency: the
+  aggregate completion tokens/s, p50/p99 time to first token and p50/p99 inter-token latency
+  (per request: (last token time - first token time) / (tokens - 1)).
+- ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
+- ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
+  (``mlxspec.generate``; a subset, as a rate).
+- ``load``: many clients for a bounded time against ``mlxspec serve``: mixed streaming and
+  non-streaming, some disconnecting early, some malformed; checks that every answer to the same
+  greedy prompt is the same text (no mixed-up responses), that the server survives, and samples
+  its resident memory.
+The machine's load average is recorded beside the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Explain why the sky is blue.", "Write a haiku about the sea.",
+    "List three uses of a paperclip.", "What is the capital of Japan?",
+    "Describe a cat in one paragraph.", "How do vaccines work?",
+    "Give me a short recipe for pancakes.", "What is 17 times 23?",
+    "Summarize the plot of Romeo and Juliet.", "Why do leaves change color?",
+    "Tell me a fun fact about octopuses.", "How does a bicycle stay upright?",
+    "Write a limerick about a robot.", "What causes earthquakes?",
+    "Name five programming languages.", "What is photosynthesis?",
+]
+EDIT_PROMPT = (
+    "Rewrite the function with the variable `count` renamed to `total`. Output only code.\n\n"
+    "def tally(items):\n    count = 0\n    for item in items:\n        if item.ok:\n"
+    "            count += item.weight\n        else:\n            count -= 1\n"
+    "    print('count is', count)\n    return count\n"
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(int(q * len(values)), len(values) - 1)], 4)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+def start_server(kind: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    if kind == "mlx_lm":  # same BLAS as mlxspec: import mlxspec first
+        code = ("import sys, mlxspec; from mlx_lm.server import main; "
+                "sys.argv = ['mlx_lm.server'] + sys.argv[1:]; main()")
+        cmd = [sys.executable, "-c", code, "--model", model, "--port", str(port),
+               "--log-level", "WARNING", *extra]
+    else:
+        cmd = [sys.executable, "-m", "mlxspec.cli.main", "serve", "--model", model, "--port",
+               str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{kind} server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+# -- one request ----------------------------------------------------------------------------------
+
+
+def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict:
+    """POST a streaming chat completion; times the chunks. ``stop_after``: disconnect early."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.connect()
+    sock = conn.sock  # kept: the response takes it over (HTTP/1.0)
+    tic = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    result = {"status": response.status, "text": "", "times": [], "tokens": 0}
+    if response.status != 200:
+        response.read()
+        conn.close()
+        return result
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        if chunk.get("usage"):
+            result["tokens"] = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                result["times"].append(time.perf_counter() - tic)
+                result["text"] += content
+        if stop_after is not None and len(result["times"]) >= stop_after:
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            result["disconnected"] = True
+            break
+    conn.close()
+    return result
+
+
+def plain_request(port: int, body: dict | bytes) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    conn.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    try:
+        parsed = json.loads(payload)
+    except json.JSONDecodeError:
+        parsed = {}
+    return {"status": response.status, "body": parsed}
+
+
+def chat_body(prompt: str, max_tokens: int) -> dict:
+    return {"model": "default_model", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0.0}
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+
+def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
+                    prompts: list[str]) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(requests):
+            prompt = prompts[(c * requests + r) % len(prompts)]
+            out = stream_request(port, chat_body(prompt, max_tokens))
+            with lock:
+                results.append(out)
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    ok = [r for r in results if r["status"] == 200 and r["times"]]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["times"][0] for r in ok]
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    return {"clients": clients, "requests": len(results), "failed": len(results) - len(ok),
+            "tokens": tokens, "seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2),
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "loadavg": loadavg()}
+
+
+def serving(args) -> dict:
+    out = {}
+    for kind in ("mlxspec", "mlx_lm"):
+        port = free_port()
+        proc = start_server(kind, args.model, port, [])
+        try:
+            stream_request(port, chat_body("Hi", 4))  # warm-up
+            out[kind] = [concurrency_run(port, c, args.requests, args.max_tokens, PROMPTS)
+                         for c in args.clients]
+        finally:
+            stop_server(proc)
+    for a, b in zip(out["mlxspec"], out["mlx_lm"], strict=True):
+        a["vs_mlx_lm"] = round(a["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3)
+    base = out["mlxspec"][0]["tokens_per_s"]
+    out["mlxspec_scaling_vs_1_client"] = {
+        str(r["clients"]): round(r["tokens_per_s"] / max(base, 1e-9), 2) for r in out["mlxspec"]}
+    return out
+
+
+def speculation(args) -> dict:
+    out = {}
+    for name, extra in (("plain", []), ("prompt_lookup", ["--prompt-lookup"])):
+        port = free_port()
+        proc = start_server("mlxspec", args.model, port, extra)
+        try:
+            stream_request(port, chat_body("Hi", 4))
+            out[name] = concurrency_run(port, 1, args.requests, args.max_tokens * 2,
+                                        [EDIT_PROMPT])
+        finally:
+            stop_server(proc)
+    out["speedup"] = round(out["prompt_lookup"]["tokens_per_s"]
+                           / max(out["plain"]["tokens_per_s"], 1e-9), 3)
+    return out
+
+
+def batch(args) -> dict:
+    import mlxspec
+    from mlxspec.generate import stream_generate
+
+    model, tokenizer = mlxspec.load(args.model)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.batch_prompts)]
+    tic = time.perf_counter()
+    results = mlxspec.batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens)
+    batched_s = time.perf_counter() - tic
+    batched_tokens = sum(r.completion_tokens for r in results)
+    subset = prompts[: args.one_by_one]
+    tic, single_tokens = time.perf_counter(), 0
+    for p in subset:
+        *_, last = stream_generate(model, tokenizer, p, max_tokens=args.max_tokens)
+        single_tokens += last.generation_tokens
+    single_s = time.perf_counter() - tic
+    batched_rate, single_rate = batched_tokens / batched_s, single_tokens / single_s
+    return {"prompts": len(prompts), "batched_tokens": batched_tokens,
+            "batched_seconds": round(batched_s, 2), "batched_tokens_per_s": round(batched_rate, 2),
+            "one_by_one_prompts": len(subset), "one_by_one_tokens_per_s": round(single_rate, 2),
+            "speedup": round(batched_rate / single_rate, 2), "loadavg": loadavg()}
+
+
+def load_test(args) -> dict:
+    port = free_port()
+    proc = start_server("mlxspec", args.model, port,
+                        ["--max-concurrent", str(2 * args.load_clients)])  # 429 = lost
+    stop_at = time.monotonic() + args.load_seconds
+    counts = {"stream_ok": 0, "plain_ok": 0, "disconnected": 0, "malformed_400": 0,
+              "rejected_429": 0, "unexpected": 0}
+    texts: dict[str, set[str]] = {}
+    lock = threading.Lock()
+    memory: list[float] = []
+
+    def client(c: int) -> None:
+        rng = random.Random(c)
+        while time.monotonic() < stop_at:
+            prompt = PROMPTS[rng.randrange(8)]
+            action = rng.random()
+            try:
+                if action < 0.4:
+                    r = stream_request(port, chat_body(prompt, 24))
+                    key, text = ("stream_ok", r["text"]) if r["status"] == 200 else (None, None)
+                elif action < 0.75:
+                    r = plain_request(port, chat_body(prompt, 24))
+                    text = r["body"].get("choices", [{}])[0].get("message", {}).get("content")
+                    key = "plain_ok" if r["status"] == 200 else None
+                elif action < 0.9:
+                    r = stream_request(port, chat_body(prompt, 200), stop_after=2)
+                    key, text = "disconnected", None
+                else:
+                    r = plain_request(port, b'{"messages": [oops')
+                    key, text = ("malformed_400" if r["status"] == 400 else None), None
+                if key is None:
+                    key = "rejected_429" if r["status"] == 429 else "unexpected"
+            except OSError:
+                key, text = "unexpected", None
+            with lock:
+                counts[key] += 1
+                if text is not None:
+                    texts.setdefault(prompt, set()).add(text)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(args.load_clients)]
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            memory.append(rss_mb(proc.pid) or 0.0)
+            time.sleep(1)
+        alive = proc.poll() is None
+        health = plain_status(port)
+    finally:
+        stop_server(proc)
+    return {"clients": args.load_clients, "seconds": args.load_seconds, **counts,
+            "prompts_with_differing_answers": sum(len(v) > 1 for v in texts.values()),
+            "server_alive": alive, "health_after": health,
+            "rss_mb_start": memory[0] if memory else None,
+            "rss_mb_max": max(memory) if memory else None,
+            "rss_mb_end": memory[-1] if memory else None, "loadavg": loadavg()}
+
+
+def plain_status(port: int) -> int | None:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-prompts", type=int, default=256)
+    parser.add_argument("--one-by-one", type=int, default=16, help="prompts run one by one")
+    parser.add_argument("--load-clients", type=int, default=64)
+    parser.add_argument("--load-seconds", type=float, default=60)
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    if args.model is None:
+        import mlxspec  # noqa: F401
+        from mlxspec.load import resolve_model_path
+
+        args.model = str(resolve_model_path(None))
+    skip = set(args.skip.split(",")) - {""}
+    result = {"model": args.model, "max_tokens": args.max_tokens, "loadavg_start": loadavg(),
+              "cpu_count": os.cpu_count()}
+    sections = {"serving": serving, "speculation": speculation, "batch": batch, "load": load_test}
+    for name, run in sections.items():
+        if name not in skip:
+            result[name] = run(args)
+            print(json.dumps({name: result[name]}), file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

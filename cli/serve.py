@@ -1,0 +1,93 @@
+"""`mlxspec serve`: an OpenAI-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import click
+from mlxspec.cli.common import model_option
+from mlxspec.cli.speculative_options import load_draft, speculative_options
+
+
+@click.command("serve")
+@model_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback exposes the model to the network.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="MLXSPEC_API_KEY",
+              help="Require 'Authorization: Bearer <key>' (also $MLXSPEC_API_KEY).")
+@click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1),
+              help="max_tokens of a request that does not set it.")
+@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="The largest max_tokens a request may ask for.")
+@click.option("--max-context", default=None, type=click.IntRange(min=16),
+              help="Prompt + completion tokens per request (default: the model's context).")
+@click.option("--max-concurrent", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Open requests at once; more get 429.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-batch", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Streams decoded together.")
+@click.option("--prefill-step", default=512, show_default=True, type=click.IntRange(min=16),
+              help="Prompt tokens per forward: long prompts are prefilled in chunks.")
+@click.option("--prompt-cache-size", default=8, show_default=True, type=click.IntRange(min=0),
+              help="Finished conversations kept for prefix reuse (0: off).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds SIGTERM / Ctrl-C waits for open requests.")
+@speculative_options
+def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_context, max_concurrent,
+            max_body_bytes, max_batch, prefill_step, prompt_cache_size, drain_timeout,
+            draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+    """Serve the model over an OpenAI-compatible API (as mlx_lm.server).
+
+    Routes: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
+    GET /v1/models, GET /health. Concurrent requests are batched; a lone request decodes
+    speculatively when a draft model or --prompt-lookup is given.
+
+    \b
+    Examples:
+      mlxspec serve
+      mlxspec serve --prompt-lookup --port 8000
+      mlxspec serve --host 0.0.0.0 --api-key "$KEY"
+    """
+    from mlxspec.engine import Engine, make_draft
+    from mlxspec.errors import ServeAddressError
+    from mlxspec.load import load, read_config, resolve_model_path
+    from mlxspec.openai_api import Limits
+    from mlxspec.serve import Server, serve_forever
+
+    if not _is_loopback(host) and not api_key:
+        click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can "
+                   "use the model", err=True)
+    path = resolve_model_path(model)
+    nn_model, tokenizer = load(str(path))
+    draft_nn, draft_tokenizer = load_draft(draft_model)
+    draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
+                       prompt_lookup=prompt_lookup, ngram_max=ngram_max)
+    if max_context is None:
+        max_context = int(read_config(path).get("max_position_embeddings") or 8192)
+    limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
+                    default_max_tokens=max_tokens, max_context=max_context,
+                    max_concurrent=max_concurrent)
+    engine = Engine(nn_model, tokenizer, max_batch=max_batch, prefill_step=prefill_step,
+                    draft=draft, num_draft_tokens=num_draft_tokens,
+                    prompt_cache_size=prompt_cache_size)
+    try:
+        server = Server(engine, model_id=model or os.path.basename(str(path)), host=host,
+                        port=port, api_key=api_key, limits=limits)
+    except OSError as e:
+        raise ServeAddressError(f"cannot listen on {host}:{port}: {e.strerror}; choose another "
+                                "--port or --host") from e
+    click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
+               err=True)
+    serve_forever(server, drain_timeout=drain_timeout)
+    click.echo("mlxspec serve: stopped", err=True)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

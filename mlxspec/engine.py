@@ -1,0 +1,437 @@
+"""Continuous batching over mlx-lm's ``BatchGenerator``, with speculative decoding for a lone stream.
+
+``Engine`` is the single-threaded core under ``mlxspec.batch`` and ``mlxspec.serve``: requests
+join (``submit``) and leave (``cancel`` or finishing) between decode steps, and every ``step()``
+returns the new tokens as ``Event`` objects. It reads the room:
+
+- two or more streams: one batched forward per step (mlx-lm's ``BatchGenerator``, which also
+  prefills long prompts in chunks of ``prefill_step`` tokens between decode steps);
+- exactly one stream and a drafter configured: the stream leaves the batch and continues with
+  speculative decoding (``mlxspec.generate.token_generator``, auto draft length), as long as its
+  measured rate beats the measured rate of plain batched decoding of one stream. A second request
+  moves it back into the batch before the next step.
+
+Moving a stream never changes its output: its KV cache moves with it, trimmed so that it holds the
+context except the last token, which is fed again (greedy: the same tokens as a plain
+single-stream run; sampling: the token drawn but not yet emitted is discarded, the next one drawn
+afresh from the same distribution).
+
+Prefix reuse: finished streams leave their KV cache in mlx-lm's ``LRUPromptCache``; a new request
+starts from the longest cached prefix of its prompt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, TextStateMachine
+from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlxspec.generate import SamplingParams, token_generator
+
+EMA = 0.2  # weight of the newest measurement in the rate averages
+MIN_SOLO_TOKENS = 4  # a stream this close to its end stays where it is
+RETRY_EVERY = 64  # tokens of plain decoding before speculation is tried again after losing
+
+
+@dataclass
+class Request:
+    """One completion to generate.
+
+    Attributes:
+        prompt: token ids (the chat template, if any, already applied).
+        max_tokens: the most tokens to generate.
+        temp, top_p, top_k, min_p: sampling (``temp == 0`` is greedy).
+        stop: strings that end generation (not included in the text).
+        seed: seeds MLX's generator when the request is admitted (exactly reproducible only when
+            the request runs alone: batched requests share the generator).
+        logprobs: report the log-probability of each generated token.
+        top_logprobs: also report this many most likely alternatives per token.
+        repetition_penalty, logit_bias: mlx-lm's logits processors.
+    """
+
+    prompt: list[int]
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: Sequence[str] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temp=self.temp, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
+
+@dataclass
+class Event:
+    """New output of one request: text (possibly empty while a stop string may be starting).
+
+    ``finish_reason`` is ``"stop"`` (end of sequence or a stop string) or ``"length"`` on the last
+    event of a request, else ``None``. Token counts are totals so far.
+    """
+
+    rid: int
+    text: str
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    speculative: bool = False
+
+
+@dataclass
+class _Stream:
+    rid: int
+    request: Request
+    detokenizer: Any
+    text_state: Any
+    processors: list[Any]
+    tokens: list[int] = field(default_factory=list)  # prompt + generated: the whole context
+    generated: int = 0
+    cached_tokens: int = 0
+    buid: int | None = None  # its uid in the BatchGenerator, None while it decodes alone
+
+
+@dataclass
+class _Solo:
+    stream: _Stream
+    cache: list[Any]
+    tokens: Any  # the token generator
+
+
+class _Rate:
+    """Tokens per second from a moving average of seconds per token (a speculative step's
+    tokens arrive together: the first carries the step's time, the others none)."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        per_token = seconds / max(tokens, 1)
+        self.seconds = per_token if self.seconds is None else (
+            (1 - EMA) * self.seconds + EMA * per_token)
+
+    @property
+    def value(self) -> float | None:
+        return None if self.seconds is None else 1.0 / max(self.seconds, 1e-9)
+
+
+class Engine:
+    """Continuous batching with speculation when one stream is alone (see the module docstring).
+
+    Args:
+        model, tokenizer: the target model (mlxspec.load.load).
+        max_batch: the most streams decoded together; more requests wait in the batch queue.
+        prefill_batch: the most prompts prefilled together.
+        prefill_step: prompt tokens per forward (a long prompt is prefilled in chunks of this
+            many tokens, with decode steps of the others in between).
+        draft: a drafter (``mlxspec.engine.make_draft``) or ``None`` for no speculation.
+        num_draft_tokens: draft length, or ``"auto"``.
+        prompt_cache_size, prompt_cache_bytes: bounds of the cross-request prefix cache
+            (``prompt_cache_size=0`` turns prefix reuse off).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        *,
+        max_batch: int = 32,
+        prefill_batch: int = 8,
+        prefill_step: int = 512,
+        draft: Any = None,
+        num_draft_tokens: int | str = "auto",
+        prompt_cache_size: int = 8,
+        prompt_cache_bytes: int = 1 << 30,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.draft = draft
+        self.num_draft_tokens = num_draft_tokens
+        self.generator = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(prefill_batch, max_batch),
+            prefill_step_size=prefill_step,
+        )
+        self.prompt_cache = (
+            LRUPromptCache(prompt_cache_size, prompt_cache_bytes) if prompt_cache_size > 0 else None
+        )
+        self.streams: dict[int, _Stream] = {}
+        self._by_buid: dict[int, _Stream] = {}
+        self._solo: _Solo | None = None
+        self._ids = itertools.count()
+        self._samplers: dict[SamplingParams, Any] = {}
+        self.solo_rate, self.plain_rate = _Rate(), _Rate()  # one stream: speculative vs batched
+        self._plain_since_loss = 0
+        self.tokens_generated = 0
+        self.peak_streams = 0  # the most streams active at once (a statistic)
+
+    # -- requests joining and leaving ----------------------------------------------------------
+
+    def submit(self, request: Request) -> int:
+        """Queue a request; it joins the batch at the next step. Returns its id."""
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if request.seed is not None:
+            mx.random.seed(request.seed)
+        stop = [s for s in request.stop if s]
+        stream = _Stream(
+            rid=next(self._ids),
+            request=request,
+            detokenizer=self.tokenizer.detokenizer,
+            text_state=TextStateMachine({"normal": [(s, None) for s in stop]}).make_state(),
+            processors=make_logits_processors(request.logit_bias, request.repetition_penalty),
+            tokens=list(request.prompt),
+        )
+        cache, rest = None, list(request.prompt)
+        if self.prompt_cache is not None:
+            cache, rest = self.prompt_cache.fetch_nearest_cache(id(self.model), rest)
+            if cache is not None and not rest:  # all cached: feed the last prompt token again
+                trim_prompt_cache(cache, 1)
+                rest = request.prompt[-1:]
+        stream.cached_tokens = len(request.prompt) - len(rest)
+        self.streams[stream.rid] = stream
+        self.peak_streams = max(self.peak_streams, len(self.streams))
+        self._to_batch(stream, rest, cache)
+        return stream.rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop a request at once (its client went away); its slot is free for the next step."""
+        stream = self.streams.pop(rid, None)
+        if stream is None:
+            return
+        if self._solo is not None and self._solo.stream is stream:
+            self._solo.tokens.close()
+            self._solo = None
+        elif stream.buid is not None:
+            self.generator.remove([stream.buid])
+            self._by_buid.pop(stream.buid, None)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the lone stream is decoding speculatively right now."""
+        return self._solo is not None
+
+    def close(self) -> None:
+        for rid in list(self.streams):
+            self.cancel(rid)
+        self.generator.close()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Advance every active stream by one decode step (a speculative step may emit several
+        tokens of one stream); returns the new events, finished streams' last."""
+        if self._solo is not None and len(self.streams) > 1:
+            self._solo_to_batch()
+        elif self._solo is None and self._wants_solo():
+            self._batch_to_solo(next(iter(self.streams.values())))
+        if self._solo is not None:
+            return self._solo_step()
+        if not self.streams:
+            return []
+        alone = len(self.streams) == 1 and next(iter(self.streams.values())).generated > 0
+        tic = time.perf_counter()
+        _, responses = self.generator.next()
+        if alone and len(responses) == 1:
+            self.plain_rate.add(1, time.perf_counter() - tic)
+            self._plain_since_loss += 1
+        events = []
+        for r in responses:
+            stream = self._by_buid.get(r.uid)
+            if stream is None:
+                continue
+            logprobs = r.logprobs if stream.request.logprobs else None
+            event = self._emit(stream, r.token, logprobs, r.finish_reason, speculative=False)
+            if event.finish_reason is not None:
+                self._by_buid.pop(r.uid, None)
+                if r.finish_reason is None:  # a stop string: the batch still holds the stream
+                    self.generator.remove([r.uid])
+                elif r.prompt_cache is not None:
+                    self._remember(r.all_tokens, r.prompt_cache)
+            events.append(event)
+        return events
+
+    # -- the lone stream: speculative decoding ---------------------------------------------------
+
+    def _wants_solo(self) -> bool:
+        if self.draft is None or len(self.streams) != 1:
+            return False
+        stream = next(iter(self.streams.values()))
+        request = stream.request
+        if stream.generated == 0 or stream.processors:
+            return False  # still prefilling; processors need the batch's token history
+        if request.max_tokens - stream.generated < MIN_SOLO_TOKENS:
+            return False
+        solo, plain = self.solo_rate.value, self.plain_rate.value
+        if solo is None or plain is None or solo >= plain:
+            return True
+        return self._plain_since_loss >= RETRY_EVERY  # lost last time: try again now and then
+
+    def _batch_to_solo(self, stream: _Stream) -> None:
+        cache, _ = self.generator.remove([stream.buid], return_prompt_caches=True)[stream.buid]
+        self._by_buid.pop(stream.buid, None)
+        stream.buid = None
+        held = _trim_to(cache, len(stream.tokens) - 1)
+        self.draft.prefix = stream.tokens[:held]
+        tokens = token_generator(
+            mx.array(stream.tokens[held:], mx.int32),
+            self.model,
+            sampling=stream.request.sampling,
+            max_tokens=stream.request.max_tokens - stream.generated,
+            prompt_cache=cache,
+            draft=self.draft,
+            num_draft_tokens=self.num_draft_tokens,
+        )
+        self._solo = _Solo(stream, cache, tokens)
+        self._plain_since_loss = 0
+
+    def _solo_to_batch(self) -> None:
+        solo, self._solo = self._solo, None
+        solo.tokens.close()  # leaves the cache holding at most the emitted tokens
+        stream = solo.stream
+        held = _trim_to(solo.cache, len(stream.tokens) - 1)
+        self._to_batch(stream, stream.tokens[held:], solo.cache)
+
+    def _solo_step(self) -> list[Event]:
+        solo = self._solo
+        stream = solo.stream
+        tic = time.perf_counter()
+        token, logprobs, _ = next(solo.tokens)
+        self.solo_rate.add(1, time.perf_counter() - tic)
+        eos = token in self.tokenizer.eos_token_ids
+        done = eos or stream.generated + 1 >= stream.request.max_tokens
+        reason = ("stop" if eos else "length") if done else None
+        event = self._emit(stream, token, logprobs, reason, speculative=True)
+        if event.finish_reason is not None:
+            self._solo = None
+            solo.tokens.close()
+            held = _trim_to(solo.cache, len(stream.tokens) - 1)
+            self._remember(stream.tokens[:held], solo.cache)
+        return [event]
+
+    # -- shared bookkeeping ----------------------------------------------------------------------
+
+    def _to_batch(self, stream: _Stream, rest: list[int], cache: list[Any] | None) -> None:
+        request = stream.request
+        history = len(stream.tokens) - len(rest)
+        (stream.buid,) = self.generator.insert(
+            [rest],
+            [request.max_tokens - stream.generated],
+            caches=[cache],
+            all_tokens=[stream.tokens[:history]],
+            samplers=[self._sampler(request.sampling)],
+            logits_processors=[stream.processors],
+        )
+        self._by_buid[stream.buid] = stream
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        # One sampler object per setting: the batch samples all rows sharing it in one call.
+        if params not in self._samplers:
+            self._samplers[params] = params.sampler()
+        return self._samplers[params]
+
+    def _emit(
+        self,
+        stream: _Stream,
+        token: int,
+        logprobs: mx.array | None,
+        finish_reason: str | None,
+        *,
+        speculative: bool,
+    ) -> Event:
+        """The event for one new token; detokenizes it and applies the stop strings."""
+        eos = finish_reason == "stop" and token in self.tokenizer.eos_token_ids
+        stream.generated += 1
+        stream.tokens.append(token)
+        self.tokens_generated += 1
+        text = ""
+        if not eos:
+            stream.detokenizer.add_token(token)
+        if finish_reason is not None:
+            stream.detokenizer.finalize()
+        state, text, name = TextStateMachine.step(stream.text_state, stream.detokenizer.last_segment)
+        if name is None:  # a stop string: the text up to it is the completion
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            state, rest, _ = TextStateMachine.flush(state)
+            text += rest
+        stream.text_state = state
+        event = Event(
+            rid=stream.rid,
+            text=text,
+            token=None if eos else token,
+            finish_reason=finish_reason,
+            prompt_tokens=len(stream.request.prompt),
+            completion_tokens=stream.generated - (1 if eos else 0),
+            cached_tokens=stream.cached_tokens,
+            speculative=speculative,
+        )
+        if stream.request.logprobs and logprobs is not None and not eos:
+            event.logprob = logprobs[token].item()
+            k = min(stream.request.top_logprobs, logprobs.shape[-1])
+            if k > 0:
+                top = mx.argpartition(-logprobs, k - 1)[:k]
+                values = logprobs[top].tolist()
+                event.top_logprobs = sorted(zip(top.tolist(), values, strict=True), key=lambda t: -t[1])
+        if finish_reason is not None:
+            self.streams.pop(stream.rid, None)
+        return event
+
+    def _remember(self, tokens: list[int], cache: list[Any]) -> None:
+        if self.prompt_cache is not None and tokens:
+            self.prompt_cache.insert_cache(id(self.model), list(tokens), cache)
+
+
+def _trim_to(cache: list[Any], length: int) -> int:
+    """Trim a KV cache to hold at most ``length`` tokens; returns how many it holds."""
+    excess = cache[0].offset - length
+    if excess > 0:
+        trim_prompt_cache(cache, excess)
+    return cache[0].offset
+
+
+def make_draft(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    *,
+    draft_model: nn.Module | None = None,
+    draft_tokenizer: TokenizerWrapper | None = None,
+    prompt_lookup: bool = False,
+    ngram_max: int = 3,
+) -> Any:
+    """The drafter for ``Engine(draft=...)``: a draft model, prompt lookup, or ``None``."""
+    if draft_model is None and not prompt_lookup:
+        return None
+    from mlxspec.speculative import make_drafter
+
+    return make_drafter(
+        tokenizer,
+        model,
+        draft_model=draft_model,
+        draft_tokenizer=draft_tokenizer,
+        prompt_lookup=prompt_lookup,
+        ngram_max=ngram_max,
+    )

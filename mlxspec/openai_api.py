@@ -1,0 +1,294 @@
+"""The OpenAI wire format for ``mlxspec serve``: request bodies in, response objects out.
+
+Follows mlx-lm's server (``mlx_lm.server``) so clients written for it work: the same routes, the
+same fields (``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``repetition_penalty``,
+``logit_bias``, ``stream`` and ``stream_options.include_usage``), the same response objects.
+Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlxspec.engine import Event, Request
+from mlxspec.generate import encode_prompt
+
+MAX_STOP = 16  # stop strings per request
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A request the server refuses; ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+@dataclass
+class Limits:
+    """What one request may ask for (the server's safety limits)."""
+
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 4096
+    default_max_tokens: int = 512
+    max_context: int = 8192
+    max_concurrent: int = 64
+
+
+@dataclass
+class Completion:
+    """A parsed request: what to generate and how to answer."""
+
+    kind: str  # "chat" or "text"
+    request: Request
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if self.stream else "chat.completion"
+        return "text_completion"
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
+
+
+def _chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
+    # LEAD: replace with mlxspec.chat.chat_prompt(tokenizer, messages) at merge (core's one home
+    # of the chat template); mlxspec.batch._chat_prompt is the other copy to replace.
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ApiError(f"{name} must be a number in [{lo}, {hi}]", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(f"{name} must be an integer in [{lo}, {hi}]", param=name)
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError("each message needs a string role", param="messages")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: only text is supported
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            if not all(isinstance(t, str) for t in parts) or len(parts) != len(content):
+                raise ApiError("only text content parts are supported", param="messages")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError("message content must be a string", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt_ids(body: dict, kind: str, tokenizer: TokenizerWrapper) -> list[int]:
+    if kind == "chat":
+        messages = _messages(body)
+        if not tokenizer.chat_template:  # mlx-lm's plain fallback: role: content lines
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return encode_prompt(tokenizer, text).tolist()
+        try:
+            return _chat_prompt(tokenizer, messages)
+        except Exception as e:  # the template rejected the conversation (e.g. role order)
+            raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from e
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return encode_prompt(tokenizer, prompt).tolist()
+    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 1 << 31
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
+    ):
+        return prompt
+    raise ApiError("prompt must be a non-empty string or list of token ids", param="prompt")
+
+
+def parse_completion(
+    body: Any, kind: str, tokenizer: TokenizerWrapper, limits: Limits, model_id: str
+) -> Completion:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` body.
+
+    Raises:
+        ApiError: a malformed field, or a request beyond the limits (status 400).
+    """
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("n", 1) != 1:
+        raise ApiError("only n=1 is supported", param="n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name, None, 1, limits.max_tokens)
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+        isinstance(s, str) for s in stop
+    ):
+        raise ApiError(f"stop must be a string or a list of at most {MAX_STOP} strings",
+                       param="stop")
+    if kind == "chat":
+        logprobs = body.get("logprobs") or False
+        if not isinstance(logprobs, bool):
+            raise ApiError("logprobs must be true or false", param="logprobs")
+        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if logprobs else 0
+    else:
+        top = _integer(body, "logprobs", None, 0, 5)
+        logprobs, top = top is not None, top or 0
+    bias = body.get("logit_bias")
+    if bias is not None:
+        try:
+            bias = {int(k): float(v) for k, v in bias.items()}
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ApiError("logit_bias must map token ids to numbers", param="logit_bias") from e
+    penalty = body.get("repetition_penalty")
+    penalty = _number(body, "repetition_penalty", 0.0, 0.0, 10.0) if penalty else None
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError("seed must be an integer", param="seed")
+
+    prompt = _prompt_ids(body, kind, tokenizer)
+    room = limits.max_context - len(prompt)
+    if room < 1:
+        raise ApiError(f"the prompt has {len(prompt)} tokens; the context is "
+                       f"{limits.max_context}: shorten the prompt", param="messages")
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, room)
+    elif max_tokens > room:
+        raise ApiError(f"prompt ({len(prompt)} tokens) + {name} ({max_tokens}) exceeds the "
+                       f"context of {limits.max_context} tokens: lower {name}", param=name)
+    request = Request(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temp=_number(body, "temperature", 0.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=int(_number(body, "top_k", 0, 0, 1 << 20)),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        stop=tuple(stop),
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top,
+        repetition_penalty=penalty,
+        logit_bias=bias,
+    )
+    model = body.get("model") if isinstance(body.get("model"), str) else model_id
+    return Completion(kind, request, model, stream, bool(options.get("include_usage")))
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def _token_text(tokenizer: TokenizerWrapper, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _logprobs(c: Completion, events: list[Event], tokenizer: TokenizerWrapper) -> Any:
+    events = [e for e in events if e.logprob is not None]
+    if not c.request.logprobs:
+        return None
+    if c.kind == "chat":
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = _token_text(tokenizer, token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            dict(entry(e.token, e.logprob),
+                 top_logprobs=[entry(t, lp) for t, lp in e.top_logprobs or []])
+            for e in events
+        ]}
+    return {
+        "tokens": [_token_text(tokenizer, e.token) for e in events],
+        "token_logprobs": [e.logprob for e in events],
+        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top_logprobs or []}
+                         for e in events],
+    }
+
+
+def usage(event: Event) -> dict[str, Any]:
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
+    }
+
+
+def _envelope(c: Completion, choices: list[dict]) -> dict[str, Any]:
+    return {"id": c.response_id, "object": c.object, "created": c.created, "model": c.model,
+            "system_fingerprint": "mlxspec", "choices": choices}
+
+
+def response_body(c: Completion, events: list[Event], tokenizer: TokenizerWrapper) -> dict:
+    """The whole (non-streamed) response once the last event has arrived."""
+    text = "".join(e.text for e in events)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": events[-1].finish_reason,
+                              "logprobs": _logprobs(c, events, tokenizer)}
+    if c.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    body = _envelope(c, [choice])
+    body["usage"] = usage(events[-1])
+    return body
+
+
+def chunk_body(c: Completion, events: list[Event], tokenizer: TokenizerWrapper,
+               first: bool) -> dict:
+    """One streamed chunk carrying the text of ``events`` (the last may finish the request)."""
+    text = "".join(e.text for e in events)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": events[-1].finish_reason,
+                              "logprobs": _logprobs(c, events, tokenizer)}
+    if c.kind == "chat":
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        choice["text"] = text
+    return _envelope(c, [choice])
+
+
+def usage_chunk(c: Completion, last: Event) -> dict:
+    body = _envelope(c, [])
+    body["usage"] = usage(last)
+    return body
+
+
+def models_body(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": created, "owned_by": "mlxspec"}
+    ]}

@@ -1,0 +1,225 @@
+"""`mlxspec serve`: the real `openai` client against a loopback server, exact greedy output.
+
+The reference for every output is plain single-stream decoding (``mlxspec.generate``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is in the dev extra")
+
+from mlxspec.engine import Engine, Request, make_draft  # noqa: E402
+from mlxspec.generate import stream_generate  # noqa: E402
+from mlxspec.openai_api import Limits  # noqa: E402
+from mlxspec.serve import Server  # noqa: E402
+
+API_KEY = "test-key"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at"]
+# Prompt lookup drafts well on text that repeats the prompt.
+EDIT = "Rename x to y: x = 1; print(x); x = x + 1; print(x)\nResult: y = 1; print(y); y ="
+
+
+def reference(model, tokenizer, prompt, max_tokens):
+    """(text, completion tokens) of plain single-stream greedy decoding."""
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    tokens = [r.token for r in responses if r.token not in tokenizer.eos_token_ids]
+    return "".join(r.text for r in responses), len(tokens)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, max_batch=8, draft=make_draft(model, tokenizer,
+                                                                    prompt_lookup=True))
+    limits = Limits(max_body_bytes=64 << 10, max_tokens=256, max_context=2048, max_concurrent=3)
+    srv = Server(engine, model_id="smollm2", port=0, api_key=API_KEY, limits=limits).start()
+    yield srv
+    srv.drain(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def _wait_idle(server, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.open_requests == 0 and not server.engine_thread.engine.streams:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_chat_and_streamed_completion_equal_plain_greedy(smollm2, client):
+    model, tokenizer = smollm2
+    chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    text, n = reference(model, tokenizer, chat_ids, 10)
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=10,
+                                       temperature=0)
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens == n
+    assert r.choices[0].finish_reason == ("length" if n == 10 else "stop")
+
+    text, n = reference(model, tokenizer, PROMPTS[1], 8)
+    chunks = list(client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True},
+                                            logprobs=2))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == n and chunks[-2].choices[0].finish_reason
+    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert len(logprobs) == n and all(lp <= 0 for lp in logprobs)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+
+
+def test_concurrent_requests_are_batched_and_exact(smollm2, server, client):
+    model, tokenizer = smollm2
+    expected = [reference(model, tokenizer, p, 8)[0] for p in PROMPTS[:3]]
+    engine = server.engine_thread.engine
+    engine.peak_streams = 0
+
+    def ask(prompt):
+        return client.completions.create(model="smollm2", prompt=prompt, max_tokens=8).choices[0].text
+
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(ask, PROMPTS[:3]))
+    assert texts == expected
+    assert engine.peak_streams >= 2  # they were decoded together
+
+
+def test_lone_stream_speculates_and_yields_to_the_batch_exactly(smollm2):
+    model, tokenizer = smollm2
+    prompt_a, prompt_b = tokenizer.encode(EDIT), tokenizer.encode(PROMPTS[0])
+    expected_a = reference(model, tokenizer, prompt_a, 32)[0]
+    expected_b = reference(model, tokenizer, prompt_b, 4)[0]
+    engine = Engine(model, tokenizer, draft=make_draft(model, tokenizer, prompt_lookup=True))
+    a = engine.submit(Request(prompt_a, max_tokens=32))
+    texts, phases, b = {a: ""}, [], None
+    while engine.streams:
+        if len(phases) == 6 and b is None:  # A is alone and speculating: B arrives
+            assert engine.speculating
+            b = engine.submit(Request(prompt_b, max_tokens=4))
+            texts[b] = ""
+        for event in engine.step():
+            texts[event.rid] += event.text
+            if event.rid == a:
+                phases.append((event.speculative, len(engine.streams)))
+    assert texts == {a: expected_a, b: expected_b}
+    shared = [spec for spec, streams in phases if streams == 2]
+    assert shared and not any(shared)  # batched, not speculative, while B ran
+    assert phases[-1][0]  # alone again: speculating again
+
+
+def test_prefix_of_an_earlier_request_is_reused(smollm2, client):
+    model, tokenizer = smollm2
+    first = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6)
+    follow = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And of Italy?"}]
+    ids = tokenizer.apply_chat_template(follow, add_generation_prompt=True)
+    r = client.chat.completions.create(model="smollm2", messages=follow, max_tokens=6)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(
+        tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
+    assert r.choices[0].message.content == reference(model, tokenizer, ids, 6)[0]
+
+
+def _post(server, path, body: bytes, key=API_KEY, headers=None):
+    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=30)
+    all_headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    conn.request("POST", path, body=body, headers={**all_headers, **(headers or {})})
+    response = conn.getresponse()
+    status, data = response.status, response.read()
+    conn.close()
+    return status, json.loads(data)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "JSON"),
+    (b"[1, 2]", 400, "object"),
+    (json.dumps({"messages": []}).encode(), 400, "messages"),
+    (json.dumps({"messages": CHAT, "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"messages": CHAT, "max_tokens": 10**6}).encode(), 400, "max_tokens"),
+    (json.dumps({"messages": CHAT, "stop": 5}).encode(), 400, "stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi " * 2100}]}).encode(), 400,
+     "context"),
+    (b'{"messages": "' + b"x" * (70 << 10) + b'"}', 413, "bytes"),
+])
+def test_malformed_requests_get_a_json_error(server, body, status, words):
+    got, data = _post(server, "/v1/chat/completions", body)
+    assert got == status and words in data["error"]["message"]
+
+
+def test_api_key_is_required_but_health_is_open(server):
+    status, data = _post(server, "/v1/chat/completions", json.dumps({"messages": CHAT}).encode(),
+                         key="wrong")
+    assert status == 401 and data["error"]["type"] == "authentication_error"
+    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=10)
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read())["status"] == "ok"
+
+
+def test_disconnecting_clients_free_their_slots_and_the_limit_holds(server, client):
+    assert _wait_idle(server)
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 256, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    socks = []
+    for _ in range(3):  # the limit: three open requests, streaming
+        s = socket.create_connection(server.httpd.server_address[:2], timeout=30)
+        s.sendall(head + body)
+        assert b"200" in s.recv(64)
+        socks.append(s)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    for s in socks:
+        s.close()
+    assert _wait_idle(server, 5.0)  # the three streams left the engine at once
+    r = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_open_requests_and_exits(smollm2_dir, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxspec.cli.main", "serve", "--model", str(smollm2_dir),
+         "--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "http://" in line, line + proc.stderr.read()
+        url = line.split()[2].rsplit("/v1", 1)[0]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=16,
+                                           stream=True)
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)  # mid-request: it must still finish
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_shutdown_refuses_new_requests(smollm2):
+    model, tokenizer = smollm2
+    srv = Server(Engine(model, tokenizer), model_id="m", port=0).start()
+    srv.draining = True
+    status, data = _post(srv, "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+    assert status == 503
+    srv.close()
+    assert not srv.engine_thread.is_alive()
