@@ -124,10 +124,11 @@ def quantize_to_dir(
     reference_dir = None
     if evaluate and reference is not None:
         reference_dir = resolve_model_path(None if reference == "default" else reference)
-    out = check_output_dir(
-        out_dir, protected=[model_dir] + ([reference_dir] if reference_dir else []), force=force,
-        needed_bytes=_weight_count(model_dir) * bits // 8,
-    )
+    # The local files as given (a .gguf, a directory) and what they resolved to (the cache).
+    protected = [Path(p) for p in (model, reference) if p and Path(p).expanduser().exists()]
+    protected += [model_dir] + ([reference_dir] if reference_dir else [])
+    out = check_output_dir(out_dir, protected=protected, force=force,
+                           needed_bytes=_weight_count(model_dir) * bits // 8)
     report = QuantizeReport(out_dir=out, source=_source_name(model), method=method, bits=bits,
                             group_size=group_size, output_format=output_format)
 

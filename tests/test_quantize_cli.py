@@ -145,16 +145,13 @@ def test_group_fallback_and_recipe_are_recorded(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, tmp_path, monkeypatch):
+def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, smollm2_q8_dirs,
+                                                         monkeypatch):
     from mlx_lm import load as mlx_lm_load
 
     from mlxspec.load import load
 
-    zp_dir, mlx_dir = tmp_path / "zp", tmp_path / "mlx"
-    for out, fmt in ((zp_dir, "zp"), (mlx_dir, "mlx")):
-        result = quantize(str(smollm2_dir), "--out", str(out), "--method", "rtn", "--format", fmt,
-                          "--mixed", "embed8")
-        assert result.returncode == 0, result.stderr
+    zp_dir, mlx_dir = smollm2_q8_dirs["zp"], smollm2_q8_dirs["mlx"]
     assert (zp_dir / "tokenizer.json").is_file()
     x = mx.array([[1, 504, 3300, 281, 1116, 30, 2, 198]])
 
@@ -185,15 +182,16 @@ def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, g
     from mlxspec.load import load
 
     out = tmp_path / "gemma-awq8"
+    # 2 short calibration windows: enough to exercise the path; 8 bits keeps the bar tight
     result = quantize(str(gemma3_gguf), "--out", str(out), "--method", "awq", "--bits", "8",
-                      "--calibration-windows", "4", "--calibration-tokens", "128")
+                      "--calibration-windows", "2", "--calibration-tokens", "64")
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "config.json").read_text())["quantization"]
     assert record["method"] == "awq" and record["format"] == "zp" and record["bits"] == 8
     model, _ = load(str(out))
     assert layers.is_quantized(model)
     reference, tokenizer = gemma3
-    quality = compare(model, reference, builtin_windows(tokenizer, windows=1, window_tokens=256))
+    quality = compare(model, reference, builtin_windows(tokenizer, windows=1, window_tokens=128))
     assert quality["kl_mean"] < 0.02 and quality["top1_agreement"] > 95, quality
 
 
@@ -338,3 +336,16 @@ def test_bad_recipes_are_refused_before_loading(source, tmp_path, no_model_load,
     recipe.write_text(json.dumps({"kind": "quantization-recipe", "rules": [rule]}))
     assert_one_line_error(quantize(str(source), "--out", str(tmp_path / "q4"), "--mixed",
                                    str(recipe)), needle)
+
+
+def test_a_gguf_source_file_is_protected_as_given(tmp_path):
+    from mlxspec.errors import QuantizationError
+    from mlxspec.quantize_flow import check_output_dir
+
+    gguf = tmp_path / "models" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(QuantizationError, match="a parent of"):
+        check_output_dir(tmp_path / "models", protected=[gguf], force=True)
+    assert check_output_dir(tmp_path / "q4", protected=[gguf], force=False) == tmp_path / "q4"
+    assert gguf.read_bytes() == b"GGUF"
