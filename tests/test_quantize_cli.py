@@ -268,7 +268,7 @@ def test_out_is_never_the_source_inside_it_or_above_it(source, no_model_load, wh
                                                       force):
     before = tree(source.parent)
     result = quantize(str(source), "--out", str(where(source)), *force)
-    assert_one_line_error(result, relation, "choose a new directory")
+    assert_one_line_error(result, relation, "the source model", "choose a new directory")
     assert tree(source.parent) == before
 
 
@@ -283,7 +283,7 @@ def test_out_is_never_the_reference_inside_it_or_above_it(source, tiny_dir, tmp_
     before = tree(reference.parent)
     result = quantize(str(source), "--out", str(where(reference)), "--force", "--reference",
                       str(reference), evaluate=True)
-    assert_one_line_error(result, "choose a new directory")
+    assert_one_line_error(result, "the reference model", "choose a new directory")
     assert tree(reference.parent) == before
 
 
@@ -346,6 +346,38 @@ def test_a_gguf_source_file_is_protected_as_given(tmp_path):
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")
     with pytest.raises(QuantizationError, match="a parent of"):
-        check_output_dir(tmp_path / "models", protected=[gguf], force=True)
-    assert check_output_dir(tmp_path / "q4", protected=[gguf], force=False) == tmp_path / "q4"
+        check_output_dir(tmp_path / "models", protected=[("source", gguf)], force=True)
+    assert check_output_dir(tmp_path / "q4", protected=[("source", gguf)], force=False) == (
+        tmp_path / "q4")
     assert gguf.read_bytes() == b"GGUF"
+
+
+@pytest.fixture
+def no_conversion(monkeypatch, no_model_load):
+    """Fail the test if a model gets resolved (a GGUF converted into the cache, a download)."""
+    import importlib
+
+    def resolve_model_path(*args, **kwargs):
+        raise AssertionError("the source was converted or downloaded before the refusal")
+
+    monkeypatch.setattr(importlib.import_module("mlxspec.load"), "resolve_model_path",
+                        resolve_model_path)
+
+
+@pytest.mark.parametrize("out, needle", [
+    (lambda root: root / "models", "a parent of the source model"),
+    (lambda root: root / "models" / "m.gguf" / "x", "inside the source model"),
+    (lambda root: ".", "working directory"),
+    (lambda root: "/proc/mlxspec-q8", "cannot write to /proc"),
+])
+def test_a_gguf_source_is_not_converted_before_the_output_is_refused(tmp_path, monkeypatch,
+                                                                     no_conversion, out, needle):
+    gguf = tmp_path / "models" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF not really")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    before = tree(tmp_path)
+    result = quantize(str(gguf), "--out", str(out(tmp_path)), "--force")
+    assert_one_line_error(result, needle)
+    assert tree(tmp_path) == before
