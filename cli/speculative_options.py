@@ -59,6 +59,38 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
+class PrefillProgress:
+    """A progress bar (stderr) for prompts long enough to take a while to prefill; a
+    ``prompt_progress_callback``. Use as a context manager."""
+
+    def __init__(self, min_tokens: int = 2048, enabled: bool = True):
+        self.min_tokens, self.enabled, self.progress, self.task = min_tokens, enabled, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None and self.enabled and total >= self.min_tokens and done < total:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.progress = Progress(console=Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("prefill", total=total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> PrefillProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def load_draft(draft_model: str | None):
     """``(model, tokenizer)`` of the draft model, loaded with mlxspec.load, or ``(None, None)``.
 

@@ -52,5 +52,5 @@ class HubError(MlxspecError):
     """A Hugging Face Hub operation failed (no token, no permission, conflict, network)."""
 
 
-class InvalidArgumentError(MlxspecError):
+class InvalidArgumentError(MlxspecError, ValueError):
     """A generation argument is out of range (sampling, max_tokens, seed, token ids, context)."""
