@@ -194,8 +194,7 @@ def drafter_costs(contexts=(10_000, 100_000, 300_000), steps=200, k=4) -> list[d
             lookup.extend([t])
             lookup.propose(k, SamplingParams())
         lookup_step = (time.perf_counter() - tic) / steps
-        bookkeeping = DraftModelDrafter.__new__(DraftModelDrafter)  # no model: list work only
-        Drafter_init(bookkeeping, context)
+        bookkeeping = model_free_drafter(context)
         tic = time.perf_counter()
         for t in rng.integers(0, 2000, steps).tolist():
             bookkeeping.extend([t])
@@ -207,10 +206,13 @@ def drafter_costs(contexts=(10_000, 100_000, 300_000), steps=200, k=4) -> list[d
     return rows
 
 
-def Drafter_init(drafter, context) -> None:  # noqa: N802
-    """Set up a DraftModelDrafter's context bookkeeping without a model (an empty cache)."""
+def model_free_drafter(context: list[int]) -> DraftModelDrafter:
+    """A DraftModelDrafter's context bookkeeping without a model (an empty cache): its list work
+    per pass, measured apart from the model's forward."""
+    drafter = DraftModelDrafter.__new__(DraftModelDrafter)
     drafter.prefix, drafter.context = [], list(context)
-    drafter.cache, drafter.cached, drafter.pending = [], len(context), []
+    drafter.cache, drafter.cached, drafter.pending = [], len(context), mx.array([], mx.uint32)
+    return drafter
 
 
 def long_prompt_lookup(model, tokenizer, max_tokens: int, seed: int) -> dict:
@@ -278,9 +280,11 @@ def new_rows(model_spec, max_tokens: int, seed: int, log=print) -> dict:
 
 def new_checks(rows: dict) -> dict:
     costs = rows["drafter_costs"]
-    flat = costs[-1]["lookup_ms_per_token"] <= 2 * costs[0]["lookup_ms_per_token"] + 0.01
+    # Flat: within 3x (+0.1 ms) from 10k to 300k tokens, where copying the context per token cost
+    # 3.3 ms at 100k and 17 ms at 300k (issue 11; a bigger dict is somewhat slower per lookup).
+    flat = costs[-1]["lookup_ms_per_token"] <= 3 * costs[0]["lookup_ms_per_token"] + 0.1
     flat_model = (costs[-1]["draft_model_list_ms_per_token"]
-                  <= 2 * costs[0]["draft_model_list_ms_per_token"] + 0.01)
+                  <= 3 * costs[0]["draft_model_list_ms_per_token"] + 0.1)
     return {
         "prompt lookup cost per token flat from 10k to 300k context": flat,
         "draft-model list work per token flat from 10k to 300k context": flat_model,

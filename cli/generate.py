@@ -30,7 +30,7 @@ from mlxspec.cli.speculative_options import (
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
             top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
-            as_json):
+            draft_min_confidence, kv_bits, as_json):
     """Generate text from a prompt, streaming it, then print speed and memory statistics.
 
     \b
@@ -62,7 +62,8 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
             top_k=top_k, min_p=min_p, seed=seed, stop=stop, max_kv_size=max_kv_size,
             draft_model=draft, draft_tokenizer=draft_tokenizer,
             num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
-            ngram_max=ngram_max, prompt_progress_callback=progress,
+            ngram_max=ngram_max, draft_min_confidence=draft_min_confidence, kv_bits=kv_bits,
+            prompt_progress_callback=progress,
         ):
             text += last.text
             if not as_json:

@@ -20,7 +20,8 @@ def parse_num_draft_tokens(value: str) -> int | str:
 
 
 def speculative_options(f):
-    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max."""
+    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max, --draft-min-confidence,
+    --kv-bits."""
     options = [
         click.option("--draft-model", default=None,
                      help="A smaller model sharing the tokenizer that proposes tokens."),
@@ -31,6 +32,12 @@ def speculative_options(f):
                      help="Draft by matching n-grams of the prompt and output (no model)."),
         click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(1, 8),
                      help="Longest n-gram prompt lookup matches."),
+        click.option("--draft-min-confidence", default=0.0, show_default=True,
+                     type=click.FloatRange(0.0, 1.0, max_open=True),
+                     help="A draft model stops drafting when its top probability falls below this."),
+        click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
+                     callback=lambda ctx, param, v: None if v is None else int(v),
+                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache)."),
     ]
     for option in reversed(options):
         f = option(f)

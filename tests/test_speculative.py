@@ -354,6 +354,47 @@ def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_ngram():
     assert lookup.propose(4, GREEDY).tokens == [4, 3, 5, 4]  # continues periodically
 
 
+def test_prompt_lookup_indexes_the_prompt_once_and_each_token_in_constant_work():
+    """The prompt is indexed in ``begin`` (a one-off, timed apart from drafting); a draft step
+    after one new token indexes only that token's n-grams, whatever the context's length."""
+
+    class CountingDict(dict):
+        writes = 0
+
+        def __setitem__(self, key, value):
+            CountingDict.writes += 1
+            super().__setitem__(key, value)
+
+    rng = np.random.default_rng(0)
+    for length in (1_000, 50_000):
+        lookup = PromptLookupDrafter(ngram_max=3)
+        lookup.begin(rng.integers(0, 500, length).tolist())
+        assert lookup.indexed == length - 1
+        lookup.latest = CountingDict(lookup.latest)
+        lookup.context = CountingList(lookup.context)
+        CountingDict.writes = CountingList.touched = 0
+        for t in rng.integers(0, 500, 20).tolist():
+            lookup.extend([t])
+            lookup.propose(4, GREEDY)
+        assert CountingDict.writes <= 20 * 3 * 2
+        assert CountingList.touched <= 20 * 50  # context elements read: not O(length)
+
+
+class CountingList(list):
+    """A list that counts the elements read through slices and iteration."""
+
+    touched = 0
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        CountingList.touched += len(item) if isinstance(index, slice) else 1
+        return item
+
+    def __iter__(self):
+        CountingList.touched += len(self)
+        return super().__iter__()
+
+
 def test_prompt_lookup_continues_a_periodic_match_to_k_tokens():
     lookup = PromptLookupDrafter(ngram_max=3)
     lookup.begin([1, 2, 3] * 10)

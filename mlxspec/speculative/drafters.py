@@ -276,6 +276,7 @@ class PromptLookupDrafter(Drafter):
         self.context = list(context)
         if shared < self.indexed:  # the context changed under us: index it afresh
             self.reset_index()
+        self._index()  # the one-off cost of a long prompt is paid here, not in a draft step
 
     def _index(self) -> None:
         """Index every n-gram that ends before the context's last token."""
