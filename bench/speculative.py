@@ -1,7 +1,7 @@
 """Speculative decoding benchmark: mlxspec against plain decoding and mlx-lm's speculative decoding.
 
     python bench/speculative.py [--model M] [--max-tokens N] [--k K] [--temps 0 0.7]
-                                [--repeats R] [--json]
+                                [--repeats R] [--rows table|new|all] [--json]
 
 For each drafting configuration available offline, at each temperature, in one run:
 
@@ -14,6 +14,11 @@ Configurations: "4-bit self" (the target quantized to 4 bits, mlx-lm affine, gro
 (the target's first 4 layers) and "prompt lookup" on an input-grounded prompt (rewrite a function).
 mlx-lm has no prompt lookup, so that row has no mlx-lm column. Acceptance is accepted / drafted
 tokens for both libraries (mlx-lm's counted from its ``from_draft`` flags).
+
+New rows (``--rows new``): the drafters' per-token bookkeeping cost at 10k / 100k / 300k tokens of
+context (flat, the one-off indexing reported apart); prompt lookup end to end on the longest prompt
+the model's context accepts (auto-k >= plain); auto-k when the first speculative pass is 40 ms
+slower (>= 0.9x auto-k without the spike).
 
 Targets checked (the ``checks`` in the JSON): mlxspec's acceptance at temperature 0.7 >= 1.3x
 mlx-lm's on the same pair; auto-k >= 0.97x plain decoding in every row; prompt lookup faster than
@@ -33,12 +38,17 @@ from functools import partial
 
 import mlxspec  # noqa: F401
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlxspec.blas import blas_report
 from mlxspec.speculative import first_layers_copy, quantized_copy
+from mlxspec.chat import chat_prompt
 from mlxspec.generate import stream_generate
+from mlxspec.generation_checks import context_length
+from mlxspec.sampling import SamplingParams
+from mlxspec.speculative import DraftModelDrafter, PromptLookupDrafter
 from mlxspec.load import load
 
 STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -58,10 +68,12 @@ CODE = (
 
 
 def run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed, **spec) -> dict:
-    """One mlxspec generation: tokens/s and, if speculative, acceptance and the statistics."""
-    *_, last = stream_generate(
-        model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, seed=seed, **spec
-    )
+    """One mlxspec generation: tokens/s and, if speculative, acceptance and the statistics.
+
+    MLX's global RNG is seeded (rejection sampling, the maximal coupling); ``seed=`` of the API
+    would select seeded verification, whose acceptance is lower for sampling drafts."""
+    mx.random.seed(seed)
+    *_, last = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, **spec)
     result = {"tps": last.generation_tps, "tokens": last.generation_tokens}
     if last.spec_stats is not None:
         result["acceptance"] = last.spec_stats.acceptance_rate
@@ -93,9 +105,8 @@ def run_mlx_lm(model, tokenizer, draft, prompt, max_tokens, temp, seed, k) -> di
     }
 
 
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return chat_prompt(tokenizer, [{"role": "user", "content": text}])
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -115,11 +126,11 @@ def bench(
         ("bad draft", STORY, {"draft_model": drafts["bad draft"], "draft_tokenizer": tokenizer}),
     ]
     configs = [c for c in configs if only is None or c[0] in only]
-    warm = chat_prompt(tokenizer, "Hi")
+    warm = chat_ids(tokenizer, "Hi")
     run_mlxspec(model, tokenizer, warm, 8, 0.0, seed)  # warm-up (first-call allocations)
     rows = []
     for name, text, spec in configs:
-        prompt = chat_prompt(tokenizer, text)
+        prompt = chat_ids(tokenizer, text)
         for temp in temps:
             # The four ways, interleaved `repeats` times so that load changes hit them alike.
             args = (model, tokenizer, prompt, max_tokens, temp, seed)
@@ -152,11 +163,134 @@ def bench(
         "k": k,
         "repeats": repeats,
         "blas": blas_report(measure=False).get("active", "reference"),
-        "machine": f"{platform.machine()} {platform.system()}, load average "
-        + " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
         "checks": checks(rows),
+    }
+
+
+# -- new rows: drafting cost against context length, the longest prompt, a first-pass spike ----
+
+
+def drafter_costs(contexts=(10_000, 100_000, 300_000), steps=200, k=4) -> list[dict]:
+    """Per-token cost of the drafters' bookkeeping as the context grows (should stay flat).
+
+    Prompt lookup: ``extend`` by one token + ``propose(k)``, after a one-off ``begin`` (indexing
+    the context, reported apart). Draft model: ``extend`` + ``unseen`` (its list work per pass;
+    the model's own attention is O(context) by nature and is not part of this row).
+    """
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in contexts:
+        context = rng.integers(0, 2000, n).tolist()
+        lookup = PromptLookupDrafter()
+        tic = time.perf_counter()
+        lookup.begin(context)
+        lookup.propose(k, SamplingParams())  # indexes the context once
+        one_off = time.perf_counter() - tic
+        tic = time.perf_counter()
+        for t in rng.integers(0, 2000, steps).tolist():
+            lookup.extend([t])
+            lookup.propose(k, SamplingParams())
+        lookup_step = (time.perf_counter() - tic) / steps
+        bookkeeping = model_free_drafter(context)
+        tic = time.perf_counter()
+        for t in rng.integers(0, 2000, steps).tolist():
+            bookkeeping.extend([t])
+            bookkeeping.unseen()
+            bookkeeping.cached = len(bookkeeping.context)  # as after a proposal
+        model_step = (time.perf_counter() - tic) / steps
+        rows.append({"context": n, "lookup_ms_per_token": 1e3 * lookup_step,
+                     "lookup_one_off_s": one_off, "draft_model_list_ms_per_token": 1e3 * model_step})
+    return rows
+
+
+def model_free_drafter(context: list[int]) -> DraftModelDrafter:
+    """A DraftModelDrafter's context bookkeeping without a model (an empty cache): its list work
+    per pass, measured apart from the model's forward."""
+    drafter = DraftModelDrafter.__new__(DraftModelDrafter)
+    drafter.prefix, drafter.context = [], list(context)
+    drafter.cache, drafter.cached, drafter.pending = [], len(context), mx.array([], mx.uint32)
+    return drafter
+
+
+def long_prompt_lookup(model, tokenizer, max_tokens: int, seed: int) -> dict:
+    """Prompt lookup end to end on the longest prompt the model's context accepts."""
+    context = context_length(model) or 8192
+    unit = tokenizer.encode(CODE)
+    prompt = (unit * (context // len(unit) + 1))[: context - max_tokens]
+    args = (model, tokenizer, prompt, max_tokens, 0.0, seed)
+    plain = run_mlxspec(*args)
+    auto = run_mlxspec(*args, prompt_lookup=True, num_draft_tokens="auto")
+    return {"prompt_tokens": len(prompt), "plain": plain, "auto_k": auto,
+            "auto_over_plain": auto["tps"] / plain["tps"]}
+
+
+class FirstPassSpike:
+    """The target model, 40 ms slower on its first multi-token forward after the prefill (a
+    kernel compiled on first use, a busy machine)."""
+
+    def __init__(self, model, spike: float = 0.040):
+        self.model, self.spike, self.calls = model, spike, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        if inputs.shape[1] > 1:
+            self.calls += 1
+            if self.calls == 2:  # the first call after the prefill's
+                mx.eval(out)
+                time.sleep(self.spike)
+        return out
+
+
+def first_pass_spike(model, tokenizer, draft, max_tokens: int, seed: int) -> dict:
+    """auto-k with a 40 ms first speculative pass against auto-k without it (target >= 0.9x)."""
+    prompt = chat_ids(tokenizer, STORY)
+    spec = {"draft_model": draft, "draft_tokenizer": tokenizer, "num_draft_tokens": "auto"}
+    calm = run_mlxspec(model, tokenizer, prompt, max_tokens, 0.0, seed, **spec)
+    spiked = run_mlxspec(FirstPassSpike(model), tokenizer, prompt, max_tokens, 0.0, seed, **spec)
+    return {"auto_k": calm, "auto_k_spiked": spiked, "spiked_over_calm": spiked["tps"] / calm["tps"]}
+
+
+def machine() -> str:
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{platform.machine()} {platform.system()}, load average {load}"
+
+
+def new_rows(model_spec, max_tokens: int, seed: int, log=print) -> dict:
+    rows = {"drafter_costs": drafter_costs()}
+    for row in rows["drafter_costs"]:
+        log(f"context {row['context']:>7}: prompt lookup {row['lookup_ms_per_token']:.4f} ms/token "
+            f"(one-off index {row['lookup_one_off_s']:.2f} s), draft-model list work "
+            f"{row['draft_model_list_ms_per_token']:.4f} ms/token")
+    model, tokenizer = load(model_spec)
+    rows["long_prompt_lookup"] = long = long_prompt_lookup(model, tokenizer, max_tokens, seed)
+    log(f"prompt lookup on a {long['prompt_tokens']}-token prompt: plain {long['plain']['tps']:.1f}"
+        f" tok/s, auto-k {long['auto_k']['tps']:.1f} tok/s ({long['auto_over_plain']:.2f}x)")
+    rows["first_pass_spike"] = spike = first_pass_spike(
+        model, tokenizer, quantized_copy(model, 4, 64), max_tokens, seed)
+    log(f"first-pass spike (+40 ms): auto-k {spike['auto_k_spiked']['tps']:.1f} tok/s against "
+        f"{spike['auto_k']['tps']:.1f} without ({spike['spiked_over_calm']:.2f}x)")
+    return rows
+
+
+def new_checks(rows: dict) -> dict:
+    costs = rows["drafter_costs"]
+    # Flat: within 3x (+0.1 ms) from 10k to 300k tokens, where copying the context per token cost
+    # 3.3 ms at 100k and 17 ms at 300k (issue 11; a bigger dict is somewhat slower per lookup).
+    flat = costs[-1]["lookup_ms_per_token"] <= 3 * costs[0]["lookup_ms_per_token"] + 0.1
+    flat_model = (costs[-1]["draft_model_list_ms_per_token"]
+                  <= 3 * costs[0]["draft_model_list_ms_per_token"] + 0.1)
+    return {
+        "prompt lookup cost per token flat from 10k to 300k context": flat,
+        "draft-model list work per token flat from 10k to 300k context": flat_model,
+        "prompt lookup auto-k >= plain on the longest prompt":
+            rows["long_prompt_lookup"]["auto_over_plain"] >= 1.0,
+        "auto-k with a first-pass spike >= 0.9x without": rows["first_pass_spike"]["spiked_over_calm"] >= 0.9,
     }
 
 
@@ -208,15 +342,24 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=None,
                         help='only these configurations, e.g. "bad draft" "prompt lookup"')
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    parser.add_argument("--rows", choices=["table", "new", "all"], default="all",
+                        help="the configuration table, the new rows (drafting cost against "
+                             "context, longest prompt, first-pass spike), or both")
     args = parser.parse_args()
 
     def log(line: str) -> None:  # the table goes to stderr when stdout carries the JSON
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    log("tokens/s (generation, median of repeats); acc = accepted / drafted; k = mean auto-k")
-    log(HEADER)
-    result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed, args.repeats, log,
-                   args.configs)
+    result = {"checks": {}}
+    if args.rows in ("table", "all"):
+        log("tokens/s (generation, median of repeats); acc = accepted / drafted; k = mean auto-k")
+        log(HEADER)
+        result = bench(args.model, args.max_tokens, args.k, args.temps, args.seed, args.repeats,
+                       log, args.configs)
+    if args.rows in ("new", "all"):
+        result["new_rows"] = new_rows(args.model, args.max_tokens, args.seed, log)
+        result["checks"].update(new_checks(result["new_rows"]))
+        result.setdefault("machine", machine())
     for name, ok in result["checks"].items():
         log(f"{'PASS' if ok else 'FAIL'}  {name}")
     log(result["machine"])

@@ -45,7 +45,8 @@ def _read_line(interactive: bool) -> str | None:
 @sampling_options
 @speculative_options
 def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top_k, min_p,
-            seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+            seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence,
+            kv_bits):
     """Chat with a model. Only each new turn is prefilled: the KV cache is kept between turns.
 
     Reads one user turn per line; works in a terminal and from a pipe.
@@ -71,6 +72,7 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, draft_model=draft,
         draft_tokenizer=draft_tokenizer, num_draft_tokens=num_draft_tokens,
         prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+        draft_min_confidence=draft_min_confidence, kv_bits=kv_bits,
     )
     nbytes = model_bytes(nn_model)
     interactive = sys.stdin.isatty()

@@ -7,7 +7,13 @@ import sys
 
 import click
 from mlxspec.cli.common import model_option, sampling_options, stats_line
-from mlxspec.cli.speculative_options import check_text, load_draft, read_text, speculative_options
+from mlxspec.cli.speculative_options import (
+    PrefillProgress,
+    check_text,
+    load_draft,
+    read_text,
+    speculative_options,
+)
 
 
 @click.command("generate")
@@ -24,7 +30,7 @@ from mlxspec.cli.speculative_options import check_text, load_draft, read_text, s
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
             top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
-            as_json):
+            draft_min_confidence, kv_bits, as_json):
     """Generate text from a prompt, streaming it, then print speed and memory statistics.
 
     \b
@@ -50,16 +56,18 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
         ]
         prompt = chat_prompt(tokenizer, messages)
     text, last = "", None
-    for last in stream_generate(
-        nn_model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
-        top_k=top_k, min_p=min_p, seed=seed, stop=stop, max_kv_size=max_kv_size,
-        draft_model=draft, draft_tokenizer=draft_tokenizer,
-        num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
-        ngram_max=ngram_max,
-    ):
-        text += last.text
-        if not as_json:
-            click.echo(last.text, nl=False)
+    with PrefillProgress(enabled=not as_json) as progress:
+        for last in stream_generate(
+            nn_model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
+            top_k=top_k, min_p=min_p, seed=seed, stop=stop, max_kv_size=max_kv_size,
+            draft_model=draft, draft_tokenizer=draft_tokenizer,
+            num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
+            ngram_max=ngram_max, draft_min_confidence=draft_min_confidence, kv_bits=kv_bits,
+            prompt_progress_callback=progress,
+        ):
+            text += last.text
+            if not as_json:
+                click.echo(last.text, nl=False)
     nbytes = model_bytes(nn_model)
     if as_json:
         click.echo(json.dumps(last.as_dict(text, nbytes), indent=2))

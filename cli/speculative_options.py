@@ -20,7 +20,8 @@ def parse_num_draft_tokens(value: str) -> int | str:
 
 
 def speculative_options(f):
-    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max."""
+    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max, --draft-min-confidence,
+    --kv-bits."""
     options = [
         click.option("--draft-model", default=None,
                      help="A smaller model sharing the tokenizer that proposes tokens."),
@@ -31,6 +32,12 @@ def speculative_options(f):
                      help="Draft by matching n-grams of the prompt and output (no model)."),
         click.option("--ngram-max", default=3, show_default=True, type=click.IntRange(1, 8),
                      help="Longest n-gram prompt lookup matches."),
+        click.option("--draft-min-confidence", default=0.0, show_default=True,
+                     type=click.FloatRange(0.0, 1.0, max_open=True),
+                     help="A draft model stops drafting when its top probability falls below this."),
+        click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
+                     callback=lambda ctx, param, v: None if v is None else int(v),
+                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -57,6 +64,38 @@ def check_text(text: str, where: str) -> str:
             f"{where} is not valid UTF-8 (character {e.start}): convert it to UTF-8 first"
         ) from None
     return text
+
+
+class PrefillProgress:
+    """A progress bar (stderr) for prompts long enough to take a while to prefill; a
+    ``prompt_progress_callback``. Use as a context manager."""
+
+    def __init__(self, min_tokens: int = 2048, enabled: bool = True):
+        self.min_tokens, self.enabled, self.progress, self.task = min_tokens, enabled, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None and self.enabled and total >= self.min_tokens and done < total:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.progress = Progress(console=Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("prefill", total=total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> PrefillProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def load_draft(draft_model: str | None):

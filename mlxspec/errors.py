@@ -64,7 +64,7 @@ class NotWritableError(MlxspecError):
     """A cache or output location cannot be written: read-only, no permission, or disk full."""
 
 
-class InvalidArgumentError(MlxspecError):
+class InvalidArgumentError(MlxspecError, ValueError):
     """A generation argument is out of range (sampling, max_tokens, seed, token ids, context)."""
 
 

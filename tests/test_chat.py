@@ -17,11 +17,11 @@ def fresh_reply(model, tokenizer, messages, system=None, max_tokens=32):
 
 def test_cached_turns_equal_fresh_prefill_and_only_new_tokens_are_prefilled(smollm2):
     model, tokenizer = smollm2
-    session = ChatSession(model, tokenizer, max_tokens=32)
+    session = ChatSession(model, tokenizer, max_tokens=16)
     for i, turn in enumerate(TURNS):
         before = session.messages + [{"role": "user", "content": turn}]
         reply = session.reply(turn)
-        assert reply == fresh_reply(model, tokenizer, before)
+        assert reply == fresh_reply(model, tokenizer, before, max_tokens=16)
         total = len(session.conversation_tokens(add_generation_prompt=False))
         if i > 0:  # later turns prefill only their own tokens, not the history
             assert session.prefilled_tokens < total / 2

@@ -43,6 +43,7 @@ DraftLogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 PositionKeys = Callable[[int], mx.array]
 
 CATCH_UP_IN_STEP = 8  # unseen tokens the first draft step processes itself (no prefill)
+SINGLE_WAIT = True  # see DraftModelDrafter; measured in bench/speculative.py ("device waits")
 PROBE_TOKENS = 8  # tokens of the forward that measures a draft model's catch-up cost
 
 
@@ -51,16 +52,26 @@ class Draft:
     """Proposed tokens and the distributions they were drawn from.
 
     Attributes:
-        tokens: the proposed token ids (at most the requested k; may be empty).
-        probs: (len(tokens), vocab) float32 processed draft distributions q, or ``None`` when the
+        array: (n,) uint32 proposed token ids (at most the requested k; may be empty), possibly
+            not computed yet: the verify pass is built on them and one device wait serves both.
+        probs: (n, vocab) float32 processed draft distributions q, or ``None`` when the
             proposals are deterministic (q is one-hot on each token) or seeded.
         caught_up: context tokens the drafter processed before drafting (more than 2: a catch-up,
             whose cost the planner books apart from the per-token drafting cost).
     """
 
-    tokens: list[int]
+    array: mx.array
     probs: mx.array | None = None
     caught_up: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The proposed token ids (waits for the device if they are not computed yet)."""
+        return self.array.tolist()
+
+
+def _draft_of(tokens: list[int]) -> Draft:
+    return Draft(mx.array(tokens, mx.uint32))
 
 
 class Drafter:
@@ -127,6 +138,9 @@ class DraftModelDrafter(Drafter):
         min_confidence: stop drafting once the draft's most likely token has less probability
             than this (llama.cpp's ``--draft-p-min``); 0 drafts all k. Costs a device wait per
             drafted token.
+        single_wait: leave the drafts uncomputed so the verify pass is queued behind them and
+            the device is waited on once per pass (mlx-lm's way); False waits after drafting
+            too (the drafting time is then measured apart).
     """
 
     name = "draft model"
@@ -139,11 +153,13 @@ class DraftModelDrafter(Drafter):
         real_vocab: int,
         max_kv_size: int | None = None,
         min_confidence: float = 0.0,
+        single_wait: bool = SINGLE_WAIT,
     ):
         super().__init__()
         self.model = model
         self.max_kv_size = max_kv_size
         self.min_confidence = min_confidence
+        self.single_wait = single_wait
         self.reset_cache()
         width = output_width(model)  # (also loads lazily-read weights before the timing below)
         self._vocab_fix = _vocab_fix(width, vocab_size, real_vocab)
@@ -156,7 +172,7 @@ class DraftModelDrafter(Drafter):
         if self._reason is None:  # sliding-window layers that can roll back rejected drafts
             swap_in_window_caches(self.cache)
         self.cached = 0  # context tokens whose keys/values are in self.cache
-        self.pending: list[int] = []  # drafted tokens in the cache after them
+        self.pending = mx.array([], mx.uint32)  # drafted tokens in the cache after them
 
     def unsupported_reason(self) -> str | None:
         return self._reason and f"the draft model's {self._reason}"
@@ -171,28 +187,29 @@ class DraftModelDrafter(Drafter):
     def begin(self, context: Sequence[int]) -> None:
         held = self.context[: self.cached]
         self.context = list(context)
-        if cache_offset(self.cache) != self.cached + len(self.pending):  # interrupted: start over
+        if cache_offset(self.cache) != self.cached + self.pending.size:  # interrupted: start over
             self.reset_cache()
             return
         keep = min(common_prefix_len(held, self.context), len(self.context) - 1)
         if not trim_cache(self.cache, cache_offset(self.cache) - keep):
             self.reset_cache()  # dropped past what a sliding window keeps: start over
             return
-        self.cached, self.pending = keep, []
+        self.cached, self.pending = keep, mx.array([], mx.uint32)
 
     def extend(self, tokens: Sequence[int]) -> None:
         # The drafts the target kept are already in the cache; drop the others.
-        kept = common_prefix_len(self.pending, tokens)
-        if not trim_cache(self.cache, len(self.pending) - kept):
+        pending = self.pending.tolist()
+        kept = common_prefix_len(pending, tokens)
+        if not trim_cache(self.cache, len(pending) - kept):
             self.reset_cache()
         else:
             self.cached += kept
-            self.pending = []
+            self.pending = mx.array([], mx.uint32)
         self.context += tokens
 
     def propose(self, k, sampling, logits_processor=None, keys=None) -> Draft:
         if k == 0:
-            return Draft([])
+            return _draft_of([])
         feed = mx.array(self.context[self.cached :], mx.uint32)
         caught_up = feed.size
         if feed.size > CATCH_UP_IN_STEP:  # catch up on a long unseen stretch in bounded chunks
@@ -221,11 +238,12 @@ class DraftModelDrafter(Drafter):
             drafted = mx.concatenate([drafted, y])
             if self.min_confidence > 0 and i + 1 < k and confidence.item() < self.min_confidence:
                 break
-        mx.eval(drafted, probs)
-        tokens = drafted.tolist()
+        probs = mx.concatenate(probs) if probs else None
+        if not self.single_wait:
+            mx.eval(drafted, probs)
         self.cached = len(self.context)
-        self.pending = tokens[:-1]  # the last draft token was sampled, not fed
-        return Draft(tokens, mx.concatenate(probs) if probs else None, caught_up=caught_up)
+        self.pending = drafted[:-1]  # the last draft token was sampled, not fed
+        return Draft(drafted, probs, caught_up=caught_up)
 
 
 class PromptLookupDrafter(Drafter):
@@ -258,6 +276,7 @@ class PromptLookupDrafter(Drafter):
         self.context = list(context)
         if shared < self.indexed:  # the context changed under us: index it afresh
             self.reset_index()
+        self._index()  # the one-off cost of a long prompt is paid here, not in a draft step
 
     def _index(self) -> None:
         """Index every n-gram that ends before the context's last token."""
@@ -276,8 +295,8 @@ class PromptLookupDrafter(Drafter):
                 tokens = context[end : end + k]
                 while len(tokens) < k:  # the match runs into the end: the pattern repeats
                     tokens.append(tokens[len(tokens) - (size - end)])
-                return Draft(tokens)
-        return Draft([])
+                return _draft_of(tokens)
+        return _draft_of([])
 
 
 def _forward_seconds(model: nn.Module, tokens: int) -> float:

@@ -241,38 +241,38 @@ def speculative_generate_step(
                 keys = (lambda i, p=position: position_key(seed, p + i)) if seeded else None
                 proposal = draft.propose(k, sampling, _draft_logits_processor(processors, seen),
                                          keys)
-                tokens = proposal.tokens[:k]
-                drafts = mx.array(tokens, mx.uint32)
+                drafts = proposal.array[:k]  # maybe not computed yet: one wait for the pass
+                drafted = drafts.size
                 draft_s = time.perf_counter() - tic
 
                 # 2. Verify them all in one target pass over [last, d1..dk].
                 tic = time.perf_counter()
                 inputs = mx.concatenate([last, drafts])
                 logprobs = _target_logprobs(model, prompt_cache, inputs, history, processors)
-                unyielded = len(tokens)  # the drafts are in the cache, not yet verified
+                unyielded = drafted  # the drafts are in the cache, not yet verified
                 if sampling.greedy:
                     accepted, token = verify_greedy(logprobs, drafts)
                 elif seeded:
-                    row_keys = [position_key(seed, position + i) for i in range(len(tokens) + 1)]
+                    row_keys = [position_key(seed, position + i) for i in range(drafted + 1)]
                     accepted, token = verify_seeded(
                         processed_logprobs(logprobs, sampling), drafts, row_keys
                     )
                 else:
-                    q = None if proposal.probs is None else proposal.probs[: len(tokens)]
+                    q = None if proposal.probs is None else proposal.probs[:drafted]
                     accepted, token = verify_sampling(
                         processed_probs(logprobs, sampling), q, drafts
                     )
-                mx.eval(accepted, token, logprobs)
-                n, token = accepted.item(), token.item()
+                mx.eval(accepted, token, logprobs, drafts)
+                n, token, tokens = accepted.item(), token.item(), drafts.tolist()
                 verify_s = time.perf_counter() - tic
 
             # 3. Roll the target cache back to [.., last, d1..dn]; keep d1..dn and add token.
-            if not trim_cache(prompt_cache, len(tokens) - n):
-                raise RuntimeError(f"the KV cache could not roll back {len(tokens) - n} tokens")
+            if not trim_cache(prompt_cache, drafted - n):
+                raise RuntimeError(f"the KV cache could not roll back {drafted - n} tokens")
             unyielded = n
             emitted = tokens[:n] + [token]
-            planner.observe(k, len(tokens), n, draft_s, verify_s, proposal.caught_up)
-            stats.record(k, len(tokens), n, len(emitted), draft_s, verify_s)
+            planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up)
+            stats.record(k, drafted, n, len(emitted), draft_s, verify_s)
             draft.extend(emitted)
             if processors:
                 history = mx.concatenate([history, inputs[: n + 1].astype(history.dtype)])
