@@ -39,6 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from mlxspec import gguf_quant
 from mlxspec.errors import (
     CorruptModelError,
     NotWritableError,
@@ -64,7 +65,7 @@ from mlxspec.gguf_tokenizer import (
 )
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: GGUF blocks kept quantized where the device prefers (gguf_quant)
 
 
 # -- reading a GGUF file --------------------------------------------------------------------------
@@ -452,7 +453,8 @@ def gguf_cache_key(gguf_path: str | Path) -> str:
     resolved path, size, modification time and the converter version (no content read)."""
     path = Path(gguf_path).resolve()
     stat = path.stat()
-    fingerprint = f"{CONVERTER_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    mode = gguf_quant.import_mode()  # dense and quantized conversions are different directories
+    fingerprint = f"{CONVERTER_VERSION}:{mode}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     return f"{path.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
 
 
@@ -534,7 +536,12 @@ def _write_conversion(gguf, arch, config, meta, tokenizer, out_dir, dtype, progr
     staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        save_weights(staging / "model.safetensors", gguf, arch, config, dtype, progress)
+        if gguf_quant.import_mode() == "quantized":  # the GGUF's blocks as MLX quantized weights
+            names = {name: _hf_name(name, arch.layer_names) for name in gguf.tensors}
+            config["quantization"] = gguf_quant.save_weights(
+                staging / "model.safetensors", gguf, names, arch.fix_weight, config, dtype, progress)
+        else:
+            save_weights(staging / "model.safetensors", gguf, arch, config, dtype, progress)
         _write_json(staging / "config.json", {**config, "torch_dtype": dtype})
         tokenizer.save(str(staging / "tokenizer.json"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))

@@ -353,8 +353,10 @@ def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
         return None
     out_features, in_features = layer.weight.shape[0], layer.weight.shape[1] * 32 // bits
     if isinstance(layer, nn.QuantizedEmbedding):
+        # Rows in the scales' dtype where they are exact in it, else float32 (e.g. GGUF Q8_0).
+        exact = format.scales_are_exact(layer.scales, bits)
         new = ZeroPointEmbedding(out_features, in_features, bits=bits, group_size=group_size,
-                                 dtype=layer.scales.dtype)
+                                 dtype=layer.scales.dtype if exact else mx.float32)
     else:
         new = ZeroPointLinear(in_features, out_features, "bias" in layer, bits=bits,
                               group_size=group_size)
