@@ -5,10 +5,10 @@
                           [--skip serving,speculation,batch,load] [--out result.json]
 
 Sections (JSON on stdout, one object):
-- ``serving``: for each server (``mlxspec serve`` and ``mlx_lm.server``, each a subprocess on
-  loopback, run one after the other, both with mlxspec's BLAS set-up), at each concurrency: the
-  aggregate completion tokens/s, p50/p99 time to first token and p50/p99 inter-token latency
-  (per request: (last token time - first token time) / (tokens - 1)).
+- ``serving``: ``mlxspec serve`` and ``mlx_lm.server`` (subprocesses on loopback, both with
+  mlxspec's BLAS set-up) taking turns at each concurrency: the aggregate completion tokens/s,
+  p50/p99 time to first token and p50/p99 inter-token latency (per request: (last token time -
+  first token time) / (tokens - 1)); medians over the rounds.
 - ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
 - ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
   (``mlxspec.generate``; a subset, as a rate).
@@ -27,6 +27,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -212,21 +213,44 @@ def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
 
 
 def serving(args) -> dict:
-    out = {}
-    for kind in ("mlxspec", "mlx_lm"):
-        port = free_port()
-        proc = start_server(kind, args.model, port, [])
-        try:
-            stream_request(port, chat_body("Hi", 4))  # warm-up
-            out[kind] = [concurrency_run(port, c, args.requests, args.max_tokens, PROMPTS)
-                         for c in args.clients]
-        finally:
+    """Both servers up at once (an idle one costs nothing); at each concurrency they take turns,
+    ``--rounds`` times in alternating order, and the medians are reported: on a shared machine
+    the load drifts, and turns spread it evenly over both."""
+    kinds = ("mlxspec", "mlx_lm")
+    ports = {kind: free_port() for kind in kinds}
+    procs = {}
+    try:
+        for kind in kinds:
+            procs[kind] = start_server(kind, args.model, ports[kind], [])
+            stream_request(ports[kind], chat_body("Hi", 4))  # warm-up
+        out = {kind: [] for kind in kinds}
+        for clients in args.clients:
+            runs = {kind: [] for kind in kinds}
+            for r in range(args.rounds):
+                for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                    runs[kind].append(concurrency_run(ports[kind], clients, args.requests,
+                                                      args.max_tokens, PROMPTS))
+            for kind in kinds:
+                out[kind].append(_median_run(runs[kind]))
+    finally:
+        for proc in procs.values():
             stop_server(proc)
     for a, b in zip(out["mlxspec"], out["mlx_lm"], strict=True):
         a["vs_mlx_lm"] = round(a["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3)
     base = out["mlxspec"][0]["tokens_per_s"]
     out["mlxspec_scaling_vs_1_client"] = {
         str(r["clients"]): round(r["tokens_per_s"] / max(base, 1e-9), 2) for r in out["mlxspec"]}
+    return out
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The median of each number over the rounds (counts summed), load averages listed."""
+    out = {"clients": runs[0]["clients"], "rounds": len(runs),
+           "requests": sum(r["requests"] for r in runs), "failed": sum(r["failed"] for r in runs),
+           "loadavg": [r["loadavg"] for r in runs]}
+    for key in ("tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
     return out
 
 
@@ -248,13 +272,18 @@ def speculation(args) -> dict:
 
 def batch(args) -> dict:
     import mlxspec
+    from mlxspec.batch import choose_batch_size
     from mlxspec.generate import stream_generate
 
     model, tokenizer = mlxspec.load(args.model)
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.batch_prompts)]
     tic = time.perf_counter()
-    results = mlxspec.batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens)
-    batched_s = time.perf_counter() - tic
+    longest = max(len(tokenizer.encode(p)) for p in prompts) + args.max_tokens
+    size, sizing = choose_batch_size(model, tokens_per_sequence=longest, num_prompts=len(prompts))
+    sizing_s = time.perf_counter() - tic
+    results = mlxspec.batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens,
+                                     batch_size=size)
+    batched_s = time.perf_counter() - tic  # the sizing included
     batched_tokens = sum(r.completion_tokens for r in results)
     subset = prompts[: args.one_by_one]
     tic, single_tokens = time.perf_counter(), 0
@@ -266,7 +295,8 @@ def batch(args) -> dict:
     return {"prompts": len(prompts), "batched_tokens": batched_tokens,
             "batched_seconds": round(batched_s, 2), "batched_tokens_per_s": round(batched_rate, 2),
             "one_by_one_prompts": len(subset), "one_by_one_tokens_per_s": round(single_rate, 2),
-            "speedup": round(batched_rate / single_rate, 2), "loadavg": loadavg()}
+            "speedup": round(batched_rate / single_rate, 2), "batch_size": size,
+            "sizing_seconds": round(sizing_s, 2), "sizing": sizing, "loadavg": loadavg()}
 
 
 def load_test(args) -> dict:
@@ -341,6 +371,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
     parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--rounds", type=int, default=3, help="turns per server per concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-prompts", type=int, default=256)
     parser.add_argument("--one-by-one", type=int, default=16, help="prompts run one by one")

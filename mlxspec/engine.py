@@ -36,6 +36,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.generate import SamplingParams, token_generator
+from mlxspec.speculative import make_drafter
 
 EMA = 0.2  # weight of the newest measurement in the rate averages
 MIN_SOLO_TOKENS = 4  # a stream this close to its end stays where it is
@@ -425,8 +426,6 @@ def make_draft(
     """The drafter for ``Engine(draft=...)``: a draft model, prompt lookup, or ``None``."""
     if draft_model is None and not prompt_lookup:
         return None
-    from mlxspec.speculative import make_drafter
-
     return make_drafter(
         tokenizer,
         model,

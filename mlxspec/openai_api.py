@@ -72,7 +72,7 @@ class Completion:
 
 def _chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     # LEAD: replace with mlxspec.chat.chat_prompt(tokenizer, messages) at merge (core's one home
-    # of the chat template); mlxspec.batch._chat_prompt is the other copy to replace.
+    # of the chat template); mlxspec.batch_jsonl._chat_prompt is the other copy to replace.
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 

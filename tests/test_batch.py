@@ -7,7 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from mlxspec.batch import batch_generate, choose_batch_size, kv_bytes_per_token, run_jsonl
+from mlxspec.batch import batch_generate, choose_batch_size, kv_bytes_per_token
+from mlxspec.batch_jsonl import run_jsonl
 from mlxspec.generate import generate
 from mlxspec.load import model_bytes
 

@@ -124,6 +124,35 @@ def test_lone_stream_speculates_and_yields_to_the_batch_exactly(smollm2):
     assert phases[-1][0]  # alone again: speculating again
 
 
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(smollm2):
+    model, tokenizer = smollm2
+    long_prompt = tokenizer.encode(" ".join(f"item{i}," for i in range(120)))
+    engine = Engine(model, tokenizer, prefill_step=64)
+    a = engine.submit(Request(tokenizer.encode(PROMPTS[0]), max_tokens=64))
+    while not engine.step():  # A's prompt
+        pass
+    b = engine.submit(Request(long_prompt, max_tokens=3))
+    text_b, steps_before_b = "", 0
+    while b in engine.streams:
+        events = engine.step()
+        if not any(e.rid == b for e in events) and not text_b:
+            steps_before_b += 1
+            # A keeps decoding during B's prefill (unless it has finished)
+            assert any(e.rid == a for e in events) or a not in engine.streams
+        text_b += "".join(e.text for e in events if e.rid == b)
+    assert steps_before_b >= len(long_prompt) // 64 - 1
+    assert text_b == reference(model, tokenizer, long_prompt, 3)[0]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def ask():
+        r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
+                                           temperature=1.0, seed=3)
+        return r.choices[0].message.content
+
+    assert ask() == ask()
+
+
 def test_prefix_of_an_earlier_request_is_reused(smollm2, client):
     model, tokenizer = smollm2
     first = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6)
