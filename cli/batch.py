@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import click
+
 from mlxspec.cli.common import model_option, sampling_options
 from mlxspec.cli.speculative_options import load_draft, speculative_options
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+
 from mlxspec.cli.common import model_option, sampling_options, stats_line
 from mlxspec.cli.speculative_options import (
     check_text,

@@ -6,6 +6,7 @@ import json
 import sys
 
 import click
+
 from mlxspec.cli.common import model_option, sampling_options, stats_line
 from mlxspec.cli.speculative_options import (
     PrefillProgress,

@@ -6,6 +6,7 @@ import ipaddress
 import os
 
 import click
+
 from mlxspec.cli.common import model_option
 from mlxspec.cli.speculative_options import load_draft, speculative_options
 

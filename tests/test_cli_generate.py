@@ -7,6 +7,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+
 from mlxspec.cli.main import cli
 
 

@@ -34,7 +34,6 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGUFValueType as T
 from hub_server import TOKENS, HubServer
-from mlxspec.cli.main import cli
 from tiny_models import (
     make_tiny_model,
     patch_gguf_header,
@@ -42,6 +41,8 @@ from tiny_models import (
     write_nested_array_gguf,
     write_tiny_gguf,
 )
+
+from mlxspec.cli.main import cli
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
 GENERATE = ["generate", "--max-tokens", "1", "--no-chat-template", "-p", "hi", "-m"]

@@ -16,11 +16,11 @@ import yaml
 from click.testing import CliRunner
 from hub_server import TOKENS, HubServer
 from mlx_lm.utils import load_tokenizer
-from mlxspec.cli.main import cli
 from tiny_models import make_tiny_model, quantized_copy
 
 from mlxspec import card, hub
 from mlxspec import eval as ev
+from mlxspec.cli.main import cli
 from mlxspec.errors import EvaluationError, HubError
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")

@@ -637,6 +637,7 @@ def test_a_draft_with_another_tokenizer_is_refused(gemma, smollm2):
 @pytest.mark.slow
 def test_cli_refuses_a_draft_with_another_tokenizer_in_one_line(gemma3_gguf, smollm2_dir):
     from click.testing import CliRunner
+
     from mlxspec.cli.main import cli
 
     result = CliRunner().invoke(cli, ["generate", "-m", str(gemma3_gguf), "--draft-model",
