@@ -372,9 +372,14 @@ def _link(name: str, target: Callable[[World], Path], replace: bool = False):
     return prepare
 
 
-def _mkdir(path: Path) -> list:
-    path.mkdir()
+def _subfolder(w: World, model: Path) -> list:
+    (model / "private").mkdir()
     return []
+
+
+def _include_outside(w: World, model: Path) -> list:
+    _outside_file(w)
+    return ["--include", "../secret.json"]
 
 
 def _mkdir_path(path: Path) -> Path:
@@ -421,15 +426,14 @@ UPLOAD_CASES = [
     _upload_case("api-keys-json", _add("api_keys.json"), "api_keys.json"),
     _upload_case("notes-txt", _add("notes.txt", b"my notes"), "notes.txt"),
     _upload_case("pickle-beside-weights", _add("optimizer.pt", b"\x80\x04."), "optimizer.pt"),
-    _upload_case("subdirectory", lambda w, m: _mkdir(m / "private"), "private"),
+    _upload_case("subdirectory", _subfolder, "private"),
     _upload_case("symlink-to-etc-passwd", _link("tokenizer.model", lambda w: Path("/etc/passwd")),
                  "outside"),
     _upload_case("symlinked-config-outside", _link("config.json", _outside_file, replace=True),
                  "outside"),
     _upload_case("symlinked-weights-outside", _link(
         "extra.safetensors", lambda w: w.tiny_source / "model.safetensors"), "outside"),
-    _upload_case("include-outside", lambda w, m: _outside_file(w) and [
-        "--include", "../secret.json"], "outside"),
+    _upload_case("include-outside", _include_outside, "outside"),
     _upload_case("include-missing", lambda w, m: ["--include", "nope.json"], "no such file"),
     _upload_case("eval-record-tampered", _eval_record(
         {"results": {**GOOD_RESULTS, "kl_mean": "low"}}), "kl_mean"),
@@ -462,9 +466,8 @@ HUB_DOWNLOAD_CASES = [
     Case("download-repo-id-space", lambda w: [*GENERATE, "org/bad name"], "invalid repo id"),
     Case("download-repo-id-double-dot", lambda w: [*GENERATE, "org/a..b"], "invalid repo id"),
     Case("download-missing-repo", lambda w: [*GENERATE, "me/no-such-model"], "not found"),
-    Case("download-hub-drops-connection",
-         lambda w: _fail_hub("model_info", "drop")(w, None) + [*GENERATE, "me/some-model"],
-         "me/some-model"),
+    Case("download-hub-drops-connection", lambda w: [
+        *_fail_hub("model_info", "drop")(w, None), *GENERATE, "me/some-model"], "me/some-model"),
 ]
 
 USAGE_CASES = [
