@@ -32,6 +32,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 from click.testing import CliRunner
+from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as T
 from hub_server import TOKENS, HubServer
 from mlxspec.cli.main import cli
@@ -44,6 +45,7 @@ from tiny_models import (
 )
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
+Q4_0 = GGMLQuantizationType.Q4_0
 GENERATE = ["generate", "--max-tokens", "1", "--no-chat-template", "-p", "hi", "-m"]
 
 
@@ -285,7 +287,7 @@ GGUF_CASES = [
     _patched_gguf("dims-overflow", "token_embd.weight", [64, 2**62], "dimensions"),
     _patched_gguf("dims-zero", "blk.0.attn_q.weight", [64, 0], "dimensions"),
     _patched_gguf("q4_0-narrower-than-block", "blk.0.ffn_down.weight", [16, 256], "Q4_0 blocks",
-                  q4_0=("blk.0.ffn_down.weight",)),
+                  types={"blk.0.ffn_down.weight": Q4_0}),
     _patched_gguf("unknown-tensor-type", "blk.0.attn_q.weight", None, "type id",
                   type_id=200),
     _patched_gguf("misaligned-offset", "blk.0.attn_q.weight", None, "aligned", offset=3),
