@@ -645,6 +645,15 @@ def test_models_survives_non_utf8_cache_files_and_shows_the_cache_size(world):
     assert rows[0]["kind"] == "cache" and float(rows[0]["detail"].split()[0]) >= 0.3
 
 
+def test_a_damaged_cached_conversion_says_how_to_redo_it(world):
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    assert run([*GENERATE, gguf_path]).exit_code == 0
+    (cached,) = (world.root / "home" / "gguf").iterdir()
+    (cached / "model.safetensors").write_bytes(b"\0" * 100)  # e.g. a disk that filled up later
+    line = assert_one_error_line(run([*GENERATE, gguf_path]), "delete")
+    assert str(cached) in line
+
+
 def test_usage_errors_are_one_line_not_clicks_four(world):
     result = run(["generate", "--temp"])
     assert_one_error_line(result, "--temp")
