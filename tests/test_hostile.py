@@ -545,10 +545,16 @@ def test_dry_run_lists_the_files_and_sends_nothing(world):
 def test_upload_sends_exactly_the_listed_files(world):
     model = world.model()
     (model / "notes.txt").write_text("release notes")
-    result = run(["upload", model, "me/tiny", "--include", "notes.txt"])
+    (model / "extras").mkdir()
+    (model / "extras" / "LICENSE.txt").write_text("MIT")
+    (model / "extras" / "private.txt").write_text("not named, so not sent")
+    result = run(["upload", model, "me/tiny", "--include", "notes.txt",
+                  "--include", "extras/LICENSE.txt"])
     assert result.exit_code == 0, result.output
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert world.hub.file_names("me/tiny") == listed
+    assert world.hub.file_names("me/tiny") == sorted(listed)
+    assert "extras/LICENSE.txt" in listed and "extras/private.txt" not in listed
+    assert world.hub.file_bytes("me/tiny", "extras/LICENSE.txt") == b"MIT"
 
 
 @pytest.mark.parametrize("occupant", ["file", "foreign-dir", "symlink-to-dir", "symlink-to-file"])
