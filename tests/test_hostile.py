@@ -660,6 +660,23 @@ def test_a_damaged_cached_conversion_says_how_to_redo_it(world):
     assert str(cached) in line
 
 
+def test_warnings_are_one_line_and_library_ones_silent(world, monkeypatch):
+    import warnings
+
+    from mlxspec import catalog
+
+    def list_models():
+        warnings.warn("mlxspec: a fallback was taken\n(second line)", RuntimeWarning,
+                      stacklevel=1)
+        warnings.warn_explicit("noisy", FutureWarning, "x.py", 1, module="transformers.utils")
+        return []
+
+    monkeypatch.setattr(catalog, "list_models", list_models)
+    result = run(["models"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["warning: mlxspec: a fallback was taken (second line)"]
+
+
 def test_usage_errors_are_one_line_not_clicks_four(world):
     result = run(["generate", "--temp"])
     assert_one_error_line(result, "--temp")
