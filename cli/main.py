@@ -57,6 +57,13 @@ def _usage_message(error: click.UsageError) -> str:
     return f"{message.rstrip('.')}: see `{command} --help`"
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """mlxspec's own warnings (a fallback taken, a slow path) as one ``warning:`` line."""
+    from mlxspec.redact import redact
+
+    click.echo(f"warning: {' '.join(redact(str(message)).split())}", err=True)
+
+
 class _Group(click.Group):
     """Loads each command on first use and turns every user-facing failure into one line."""
 
@@ -133,6 +140,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     quiet_library_logs(debug)
     if not debug:
         warnings.filterwarnings("ignore", module=THIRD_PARTY)
+        warnings.showwarning = _one_line_warning
 
 
 def main() -> None:

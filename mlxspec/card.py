@@ -10,7 +10,6 @@ draft model when the recipes know one, and usage snippets. Everything here reads
 from __future__ import annotations
 
 import json
-import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from mlxspec import __version__
 from mlxspec.errors import CorruptModelError, EvaluationError, MlxspecError, ModelNotFoundError
 from mlxspec.eval import BUILTIN_TEXT_TITLE, EVAL_FILE, read_results, source_model, verdict_line
 from mlxspec.load import _looks_like_repo_id, default_model_path, read_config
+from mlxspec.model_checks import is_number
 
 # The Hub id of the embedded default model (what its GGUF was converted from).
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -40,10 +40,6 @@ RESULT_NUMBERS = ("windows", "tokens", "kl_mean", "kl_p99", "top1_agreement", "p
 VERDICT_NUMBERS = ("bits", "max_kl", "min_top1")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _record_problem(record: Any) -> str | None:
     """What is wrong with an evaluation record (``mlxspec_eval.json``), or None."""
     if not isinstance(record, dict):
@@ -52,7 +48,7 @@ def _record_problem(record: Any) -> str | None:
     if not isinstance(results, dict):
         return "no 'results' object"
     for key in RESULT_NUMBERS:
-        if not _is_number(results.get(key)):
+        if not is_number(results.get(key)):
             return f"results.{key} is missing or not a number"
     if "text" in record and not isinstance(record["text"], str):
         return "'text' is not a string"
@@ -62,7 +58,7 @@ def _record_problem(record: Any) -> str | None:
     if not isinstance(verdict, dict) or not isinstance(verdict.get("passed"), bool):
         return "'verdict' has no true/false 'passed'"
     for key in VERDICT_NUMBERS:
-        if not _is_number(verdict.get(key)):
+        if not is_number(verdict.get(key)):
             return f"verdict.{key} is missing or not a number"
     failures = verdict.get("failures", [])
     if not isinstance(failures, list) or not all(isinstance(f, str) for f in failures):
@@ -284,7 +280,7 @@ def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:
 
 def _bits_per_weight(q: dict[str, Any], stats: dict[str, float]) -> float:
     recorded = q.get("bits_per_weight")
-    return recorded if _is_number(recorded) and recorded > 0 else stats["bits_per_weight"]
+    return recorded if is_number(recorded) and recorded > 0 else stats["bits_per_weight"]
 
 
 def _calibration(q: dict[str, Any]) -> str | None:

@@ -52,7 +52,6 @@ from mlxspec.gguf_checks import (
     check_replaceable,
     check_shapes,
     clean_stale_work_dirs,
-    is_int,
     positive_int,
     positive_number,
     work_dir_prefix,
@@ -63,6 +62,7 @@ from mlxspec.gguf_tokenizer import (
     eos_token_ids,
     tokenizer_config,
 )
+from mlxspec.model_checks import is_int
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
 CONVERTER_VERSION = 2  # 2: GGUF blocks kept quantized where the device prefers (gguf_quant)

@@ -15,15 +15,13 @@
 from __future__ import annotations
 
 import errno
-import math
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 from mlxspec.errors import CorruptModelError, OutputExistsError, UnsupportedModelError
-from mlxspec.model_checks import check_vocabulary
+from mlxspec.model_checks import check_vocabulary, is_int, is_number
 
 # Written into every converted directory: convert_gguf replaces only directories that hold it.
 MARKER = ".mlxspec-conversion"
@@ -33,10 +31,6 @@ _WORK_DIR = re.compile(r"^\..+\.(?P<pid>\d+)\.[a-z0-9_]+\.(partial|old)$")
 # OSError numbers that mean "the output location cannot be written".
 NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
                 errno.ENOTDIR, errno.EEXIST}
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- metadata fields ------------------------------------------------------------------------------
@@ -60,8 +54,7 @@ def positive_number(meta: dict, key: str, default: float | None = None) -> float
     value = meta.get(key, default)
     if value is None:
         raise CorruptModelError(f"GGUF metadata has no {key}")
-    if not (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):
+    if not (is_number(value) and value > 0):
         raise CorruptModelError(f"GGUF metadata {key} is {value!r}, not a positive number")
     return float(value)
 

@@ -96,7 +96,7 @@ def upload_files(model_dir: Path, include: Iterable[str] = ()) -> list[Path]:
         _check_inside(p, folder)
         if p not in files:
             files.append(p)
-        unknown = [u for u in unknown if u != name]
+        unknown = [u for u in unknown if u != Path(name).parts[0]]  # (or its folder)
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise UnsafeUploadError(

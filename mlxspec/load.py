@@ -307,8 +307,16 @@ def load(
         ``(model, tokenizer)`` as ``mlx_lm.load`` returns them.
     """
     model_dir = resolve_model_path(model)
-    nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
-    tokenizer = read_tokenizer(model_dir, config, tokenizer_config)
+    try:
+        nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
+        tokenizer = read_tokenizer(model_dir, config, tokenizer_config)
+    except CorruptModelError as e:
+        if model_dir.parent == paths.home() / "gguf":  # a damaged cache entry: say how to redo it
+            raise CorruptModelError(
+                f"{e}; it is mlxspec's cached conversion of a GGUF file: delete {model_dir} to "
+                "convert it again"
+            ) from e
+        raise
     check_vocabulary(nn_model, tokenizer, config, model_dir)
     return nn_model, tokenizer
 

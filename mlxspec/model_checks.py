@@ -32,8 +32,18 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (JSON and GGUF readers give both)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_int(value) and value > 0
 
 
 def _problem(config: Any) -> str | None:
@@ -51,17 +61,12 @@ def _problem(config: Any) -> str | None:
             return f"\"{key}\" must be a positive integer, not {value!r}"
     for key in POSITIVE_NUMBERS:
         value = config.get(key)
-        if value is not None and not (
-            isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0
-        ):
+        if value is not None and not (is_number(value) and value > 0):
             return f"\"{key}\" must be a positive number, not {value!r}"
     for key in TOKEN_IDS:
         value = config.get(key)
         ids = value if isinstance(value, list) else [value]
-        if value is not None and not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
+        if value is not None and not all(is_int(i) and i >= 0 for i in ids):
             return f"\"{key}\" must be a token id (an integer >= 0) or a list of them, not {value!r}"
     if "text_config" in config and not isinstance(config["text_config"], dict | type(None)):
         return f"\"text_config\" must be an object, not a {_kind(config['text_config'])}"

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import reference_numpy as ref
 import regex
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGMLQuantizationType, GGUFReader
 from mlx_lm import generate
 from mlx_lm.utils import load
+from tiny_models import write_tiny_gguf
 
 from mlxspec import gguf as mlxspec_gguf
 from mlxspec.errors import CorruptModelError, OutputExistsError, UnsupportedModelError
@@ -342,61 +342,10 @@ TINY_TYPES = {  # one tensor type per role, to cover the block formats the real 
 
 
 def write_tiny_llama(path: Path, arch: str = "llama", types: dict | None = None) -> Path:
-    """A 2-layer llama GGUF (hidden 64, 4 heads / 2 KV heads, byte-level vocabulary of 258)."""
-    types = {**TINY_TYPES, **(types or {})}
-    rng = np.random.default_rng(1)
-    hidden, ffn, heads, kv_heads, layers = 64, 128, 4, 2, 2
-    spell = byte_to_unicode()
-    tokens = [spell[b] for b in range(256)] + ["he", "<|endoftext|>"]
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * 257 + [3])
-    writer.add_token_merges(["h e"])
-    writer.add_eos_token_id(257)
-
-    def add(name: str, shape: tuple[int, ...], kind: str):
-        qtype = types[kind]
-        w = rng.standard_normal(shape).astype(np.float32) * (1.0 if kind.endswith("norm") else 0.2)
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_tensor(name, quantize(w, qtype))
-        else:
-            try:
-                data = quantize(w, qtype).view(np.uint8)
-            except NotImplementedError:  # a type gguf cannot write: random blocks will do
-                block, block_bytes = GGML_QUANT_SIZES[qtype]
-                data = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), np.uint8)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-
-    types |= {"attn_norm": GGMLQuantizationType.F32, "ffn_norm": GGMLQuantizationType.F32}
-    types |= {"output_norm": GGMLQuantizationType.F32}
-    add("token_embd.weight", (258, hidden), "token_embd")
-    for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", (hidden,), "attn_norm")
-        add(f"blk.{i}.attn_q.weight", (hidden, hidden), "attn_q")
-        add(f"blk.{i}.attn_k.weight", (hidden // heads * kv_heads, hidden), "attn_k")
-        add(f"blk.{i}.attn_v.weight", (hidden // heads * kv_heads, hidden), "attn_v")
-        add(f"blk.{i}.attn_output.weight", (hidden, hidden), "attn_output")
-        add(f"blk.{i}.ffn_norm.weight", (hidden,), "ffn_norm")
-        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden), "ffn_gate")
-        add(f"blk.{i}.ffn_up.weight", (ffn, hidden), "ffn_up")
-        add(f"blk.{i}.ffn_down.weight", (hidden, ffn), "ffn_down")
-    add("output_norm.weight", (hidden,), "output_norm")
-    add("output.weight", (258, hidden), "output")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A 2-layer llama GGUF (hidden 64, 4 heads / 2 KV heads, byte-level vocabulary of 258) with
+    one tensor type per role (TINY_TYPES) and an untied output matrix."""
+    return write_tiny_gguf(path, types={**TINY_TYPES, **(types or {})}, arch=arch,
+                           untied_output=True)
 
 
 def test_every_tensor_type_converts_to_reference_logits(tmp_path):

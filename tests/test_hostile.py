@@ -32,6 +32,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 from click.testing import CliRunner
+from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as T
 from hub_server import TOKENS, HubServer
 from tiny_models import (
@@ -45,6 +46,7 @@ from tiny_models import (
 from mlxspec.cli.main import cli
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
+Q4_0 = GGMLQuantizationType.Q4_0
 GENERATE = ["generate", "--max-tokens", "1", "--no-chat-template", "-p", "hi", "-m"]
 
 
@@ -286,7 +288,7 @@ GGUF_CASES = [
     _patched_gguf("dims-overflow", "token_embd.weight", [64, 2**62], "dimensions"),
     _patched_gguf("dims-zero", "blk.0.attn_q.weight", [64, 0], "dimensions"),
     _patched_gguf("q4_0-narrower-than-block", "blk.0.ffn_down.weight", [16, 256], "Q4_0 blocks",
-                  q4_0=("blk.0.ffn_down.weight",)),
+                  types={"blk.0.ffn_down.weight": Q4_0}),
     _patched_gguf("unknown-tensor-type", "blk.0.attn_q.weight", None, "type id",
                   type_id=200),
     _patched_gguf("misaligned-offset", "blk.0.attn_q.weight", None, "aligned", offset=3),
@@ -373,9 +375,14 @@ def _link(name: str, target: Callable[[World], Path], replace: bool = False):
     return prepare
 
 
-def _mkdir(path: Path) -> list:
-    path.mkdir()
+def _subfolder(w: World, model: Path) -> list:
+    (model / "private").mkdir()
     return []
+
+
+def _include_outside(w: World, model: Path) -> list:
+    _outside_file(w)
+    return ["--include", "../secret.json"]
 
 
 def _mkdir_path(path: Path) -> Path:
@@ -422,15 +429,14 @@ UPLOAD_CASES = [
     _upload_case("api-keys-json", _add("api_keys.json"), "api_keys.json"),
     _upload_case("notes-txt", _add("notes.txt", b"my notes"), "notes.txt"),
     _upload_case("pickle-beside-weights", _add("optimizer.pt", b"\x80\x04."), "optimizer.pt"),
-    _upload_case("subdirectory", lambda w, m: _mkdir(m / "private"), "private"),
+    _upload_case("subdirectory", _subfolder, "private"),
     _upload_case("symlink-to-etc-passwd", _link("tokenizer.model", lambda w: Path("/etc/passwd")),
                  "outside"),
     _upload_case("symlinked-config-outside", _link("config.json", _outside_file, replace=True),
                  "outside"),
     _upload_case("symlinked-weights-outside", _link(
         "extra.safetensors", lambda w: w.tiny_source / "model.safetensors"), "outside"),
-    _upload_case("include-outside", lambda w, m: _outside_file(w) and [
-        "--include", "../secret.json"], "outside"),
+    _upload_case("include-outside", _include_outside, "outside"),
     _upload_case("include-missing", lambda w, m: ["--include", "nope.json"], "no such file"),
     _upload_case("eval-record-tampered", _eval_record(
         {"results": {**GOOD_RESULTS, "kl_mean": "low"}}), "kl_mean"),
@@ -463,9 +469,8 @@ HUB_DOWNLOAD_CASES = [
     Case("download-repo-id-space", lambda w: [*GENERATE, "org/bad name"], "invalid repo id"),
     Case("download-repo-id-double-dot", lambda w: [*GENERATE, "org/a..b"], "invalid repo id"),
     Case("download-missing-repo", lambda w: [*GENERATE, "me/no-such-model"], "not found"),
-    Case("download-hub-drops-connection",
-         lambda w: _fail_hub("model_info", "drop")(w, None) + [*GENERATE, "me/some-model"],
-         "me/some-model"),
+    Case("download-hub-drops-connection", lambda w: [
+        *_fail_hub("model_info", "drop")(w, None), *GENERATE, "me/some-model"], "me/some-model"),
 ]
 
 USAGE_CASES = [
@@ -541,10 +546,16 @@ def test_dry_run_lists_the_files_and_sends_nothing(world):
 def test_upload_sends_exactly_the_listed_files(world):
     model = world.model()
     (model / "notes.txt").write_text("release notes")
-    result = run(["upload", model, "me/tiny", "--include", "notes.txt"])
+    (model / "extras").mkdir()
+    (model / "extras" / "LICENSE.txt").write_text("MIT")
+    (model / "extras" / "private.txt").write_text("not named, so not sent")
+    result = run(["upload", model, "me/tiny", "--include", "notes.txt",
+                  "--include", "extras/LICENSE.txt"])
     assert result.exit_code == 0, result.output
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert world.hub.file_names("me/tiny") == listed
+    assert world.hub.file_names("me/tiny") == sorted(listed)
+    assert "extras/LICENSE.txt" in listed and "extras/private.txt" not in listed
+    assert world.hub.file_bytes("me/tiny", "extras/LICENSE.txt") == b"MIT"
 
 
 @pytest.mark.parametrize("occupant", ["file", "foreign-dir", "symlink-to-dir", "symlink-to-file"])
@@ -639,6 +650,32 @@ def test_models_survives_non_utf8_cache_files_and_shows_the_cache_size(world):
     assert result.exit_code == 0
     rows = json.loads(result.stdout)
     assert rows[0]["kind"] == "cache" and float(rows[0]["detail"].split()[0]) >= 0.3
+
+
+def test_a_damaged_cached_conversion_says_how_to_redo_it(world):
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    assert run([*GENERATE, gguf_path]).exit_code == 0
+    (cached,) = (world.root / "home" / "gguf").iterdir()
+    (cached / "model.safetensors").write_bytes(b"\0" * 100)  # e.g. a disk that filled up later
+    line = assert_one_error_line(run([*GENERATE, gguf_path]), "delete")
+    assert str(cached) in line
+
+
+def test_warnings_are_one_line_and_library_ones_silent(world, monkeypatch):
+    import warnings
+
+    from mlxspec import catalog
+
+    def list_models():
+        warnings.warn("mlxspec: a fallback was taken\n(second line)", RuntimeWarning,
+                      stacklevel=1)
+        warnings.warn_explicit("noisy", FutureWarning, "x.py", 1, module="transformers.utils")
+        return []
+
+    monkeypatch.setattr(catalog, "list_models", list_models)
+    result = run(["models"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["warning: mlxspec: a fallback was taken (second line)"]
 
 
 def test_usage_errors_are_one_line_not_clicks_four(world):

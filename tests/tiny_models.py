@@ -148,28 +148,33 @@ def write_tiny_gguf(
     drop: tuple[str, ...] = (),
     shapes: dict[str, tuple[int, ...]] | None = None,
     n_tokens: int = GGUF_VOCAB,
-    q4_0: tuple[str, ...] = (),
+    types: dict | None = None,
+    arch: str = "llama",
+    untied_output: bool = False,
 ) -> Path:
-    """A 2-layer llama GGUF (hidden 64, 4 heads / 2 KV heads, byte-level vocabulary, float32
-    tensors), written with the ``gguf`` package in a few milliseconds.
+    """A 2-layer llama GGUF (hidden 64, 4 heads / 2 KV heads, byte-level vocabulary of 258 with
+    the merge "h e"), written with the ``gguf`` package in a few milliseconds.
 
     Args:
         meta: metadata to set or replace, ``{key: (value, GGUFValueType[, item type])}``.
         drop: metadata keys or tensor names to leave out.
         shapes: tensor shapes (numpy order) to use instead of the consistent ones.
         n_tokens: vocabulary size (the embedding keeps 258 rows).
-        q4_0: tensors to store as Q4_0 blocks instead of float32.
+        types: tensor type by full name or by role (``"attn_q"``, ``"token_embd"``, ...);
+            float32 otherwise. Types the ``gguf`` package cannot write get random blocks.
+        arch: ``general.architecture`` (its metadata keys are spelled for it).
+        untied_output: add an ``output.weight`` matrix (else the embedding is tied).
     """
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
     from gguf.gguf_writer import GGUFValue
     from gguf.quants import quantize
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(1)
     hidden, ffn, heads, kv_heads, layers = 64, 128, 4, 2, 2
     tokens = gpt2_byte_spelling() + ["he", "<|endoftext|>"]
     tokens += [f"<extra_{i}>" for i in range(n_tokens - len(tokens))]
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
@@ -184,7 +189,6 @@ def write_tiny_gguf(
     writer.add_token_types([1] * 257 + [3] + [1] * (n_tokens - GGUF_VOCAB))
     writer.add_token_merges(["h e"])
     writer.add_eos_token_id(257)
-    writer.add_bos_token_id(257)
     for key, spec in (meta or {}).items():
         writer.kv_data[0][key] = GGUFValue(spec[0], spec[1], spec[2] if len(spec) > 2 else None)
     for key in drop:
@@ -194,12 +198,18 @@ def write_tiny_gguf(
         if name in drop:
             return
         shape = (shapes or {}).get(name, shape)
-        w = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        if name in q4_0:
-            data = quantize(w, GGMLQuantizationType.Q4_0)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType.Q4_0)
-        else:
-            writer.add_tensor(name, w)
+        role = name.split(".")[-2]
+        qtype = (types or {}).get(name, (types or {}).get(role, GGMLQuantizationType.F32))
+        w = rng.standard_normal(shape).astype(np.float32) * (1.0 if role.endswith("norm") else 0.2)
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(name, quantize(w, qtype))
+            return
+        try:
+            data = quantize(w, qtype).view(np.uint8)
+        except NotImplementedError:  # a type gguf cannot write: random blocks will do
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            data = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), np.uint8)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
     add("token_embd.weight", (GGUF_VOCAB, hidden))
     for i in range(layers):
@@ -213,11 +223,12 @@ def write_tiny_gguf(
         add(f"blk.{i}.ffn_up.weight", (ffn, hidden))
         add(f"blk.{i}.ffn_down.weight", (hidden, ffn))
     add("output_norm.weight", (hidden,))
+    if untied_output:
+        add("output.weight", (GGUF_VOCAB, hidden))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    _ = GGUFValueType  # (the type callers use for ``meta``)
     return path
 
 
