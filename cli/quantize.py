@@ -11,9 +11,10 @@ import click
 from mlxspec.cli.common import gate_options
 
 # Spelled out here so that `mlxspec --help` needs no mlx; tests/test_quantize_cli.py checks that
-# they match mlxspec.quant.quantize.METHODS and FORMATS.
+# they match the library's METHODS and FORMATS.
 METHODS = ("rtn", "gptq", "awq")
-FORMATS = ("zp", "mlx")
+FORMATS = ("mlx", "zp")
+DTYPES = ("float16", "bfloat16", "float32")
 
 
 @click.command("quantize")
@@ -28,10 +29,15 @@ FORMATS = ("zp", "mlx")
               help="rtn: round-to-nearest with a clipping search; gptq: calibrated (error "
                    "feedback), slower; awq: calibrated (activation-aware scales folded into the "
                    "norms).")
-@click.option("--format", "output_format", default="zp", show_default=True,
+@click.option("--format", "output_format", default="mlx", show_default=True,
               type=click.Choice(FORMATS),
-              help="zp: mlxspec zero-point (loaded by mlxspec); mlx: standard mlx-lm affine "
-                   "(loaded by plain mlx_lm.load; exact conversion).")
+              help="mlx: MLX affine layout, exact (scales and biases in --dtype encode "
+                   "s*(q - z) bit for bit), loaded by mlx-lm, LM Studio and every MLX tool; zp: "
+                   "mlxspec zero-point layout, only for what cannot be exact (--act-order).")
+@click.option("--dtype", default=None, type=click.Choice(DTYPES),
+              help="dtype of scales, biases and unquantized parameters (so of activations and "
+                   "KV cache); default the source's. GGUF sources convert to float32: pass "
+                   "float16 or bfloat16 for a half-precision model.")
 @click.option("--mixed", "recipe", default=None,
               help="Mixed precision: a recipe (JSON file, or a shipped one: embed8, mixed8, "
                    "float-head), or auto[:BPW] to measure each kind of layer's sensitivity and "
@@ -62,7 +68,7 @@ FORMATS = ("zp", "mlx")
 @click.option("--force-upload", is_flag=True,
               help="With --upload-repo: upload even without passing evaluation results.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON at the end.")
-def command(model, out_dir, bits, group_size, method, output_format, recipe, group_fallback,
+def command(model, out_dir, bits, group_size, method, output_format, dtype, recipe, group_fallback,
             act_order, calibration, n_windows, window_tokens, force, no_eval, reference,
             max_kl, min_top1, upload_repo, private, force_upload, as_json):
     """Quantize MODEL's weights to BITS bits with a per-group scale and zero-point, and save it.
@@ -79,7 +85,8 @@ def command(model, out_dir, bits, group_size, method, output_format, recipe, gro
       mlxspec quantize --out smollm2-q4 --mixed embed8      # head and embeddings at 8 bits
       mlxspec quantize --out smollm2-q8 --bits 8 --method rtn
       mlxspec quantize --out smollm2-awq --method awq       # activation-aware scaling
-      mlxspec quantize model.gguf --out model-mlx --format mlx   # for plain mlx_lm.load
+      mlxspec quantize model.gguf --out q4 --dtype bfloat16   # half-precision scales
+      mlxspec quantize --out q4-act --act-order --format zp  # act-order: zero-point layout
       mlxspec quantize --out q4 -g 128 --group-fallback     # g128 where the width allows
       mlxspec quantize --out smollm2-q4 --upload-repo me/smollm2-q4   # gate, then upload
     """
@@ -92,7 +99,7 @@ def command(model, out_dir, bits, group_size, method, output_format, recipe, gro
 
     report = quantize_to_dir(
         model, out_dir, bits=bits, group_size=group_size, method=method,
-        output_format=output_format, recipe=recipe, group_fallback=group_fallback,
+        output_format=output_format, dtype=dtype, recipe=recipe, group_fallback=group_fallback,
         act_order=act_order, calibration=calibration, calibration_windows=n_windows,
         calibration_tokens=window_tokens, force=force, evaluate=not no_eval, reference=reference,
         thresholds={"max_kl": max_kl, "min_top1": min_top1}, upload_repo=upload_repo,

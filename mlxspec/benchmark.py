@@ -70,16 +70,12 @@ def roofline(achieved_gbs: float, bandwidth_gbs: float) -> float:
     return achieved_gbs / bandwidth_gbs
 
 
-def _run_mlxspec(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
-    from mlxspec.generate import stream_generate
-
-    last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens), maxlen=1)[0]
-    return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
-            "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
-
-
-def _run_mlx_lm(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
-    from mlx_lm import stream_generate
+def _run(engine: str, model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict:
+    """One decode of ``max_tokens`` with ``engine`` ("mlxspec" or "mlx_lm"): its speed stats."""
+    if engine == "mlxspec":
+        from mlxspec.generate import stream_generate
+    else:
+        from mlx_lm import stream_generate
 
     last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens), maxlen=1)[0]
     return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
@@ -122,14 +118,13 @@ def compare_decode(
     nbytes = model_bytes(model)
     say("measuring memory bandwidth")
     bandwidth = memory_bandwidth()
-    engines = {"mlx_lm": _run_mlx_lm, "mlxspec": _run_mlxspec}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    for run in engines.values():  # warm-up
-        run(model, tokenizer, prompt_ids, 8)
+    runs: dict[str, list[dict[str, float]]] = {"mlx_lm": [], "mlxspec": []}
+    for engine in runs:  # warm-up
+        _run(engine, model, tokenizer, prompt_ids, 8)
     for i in range(repeats):
-        for name, run in engines.items():
-            say(f"run {i + 1}/{repeats}: {name}")
-            runs[name].append(run(model, tokenizer, prompt_ids, max_tokens))
+        for engine, engine_runs in runs.items():
+            say(f"run {i + 1}/{repeats}: {engine}")
+            engine_runs.append(_run(engine, model, tokenizer, prompt_ids, max_tokens))
     result: dict[str, Any] = {
         "model": model_spec or "default (SmolLM2-135M-Instruct)",
         "prompt_tokens": len(prompt_ids),

@@ -58,7 +58,8 @@ def quantize_to_dir(
     bits: int = 4,
     group_size: int = 64,
     method: str = "gptq",
-    output_format: str = "zp",
+    output_format: str = "mlx",
+    dtype: str | None = None,
     recipe: str | dict | None = None,
     group_fallback: bool = False,
     act_order: bool = False,
@@ -85,7 +86,10 @@ def quantize_to_dir(
             or a model directory mlxspec wrote).
         bits, group_size: see :mod:`mlxspec.quant.format`.
         method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
-        output_format: ``"zp"`` (mlxspec zero-point) or ``"mlx"`` (mlx-lm affine).
+        output_format: ``"mlx"`` (MLX affine, exact; plain mlx-lm loads it) or ``"zp"``
+            (mlxspec zero-point, for what affine cannot express: act-order).
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` for the scales, biases and
+            unquantized parameters; None keeps the source's.
         recipe: mixed precision: a recipe dict, a JSON file or shipped name, or ``"auto"`` /
             ``"auto:BPW"`` to measure each kind of layer's sensitivity.
         group_fallback: layers whose width ``group_size`` does not divide use a smaller group.
@@ -163,6 +167,7 @@ def quantize_to_dir(
     nn_model, report.quantization = q.quantize_model(
         nn_model, bits=bits, group_size=group_size, method=method, calibration_tokens=tokens,
         recipe=recipe, act_order=act_order, group_fallback=group_fallback, progress=progress,
+        **({"dtype": dtype} if dtype is not None else {}),
     )
     step("quantized", report)
     q.save_quantized(nn_model, out, config=config, quantization=report.quantization,

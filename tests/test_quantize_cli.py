@@ -67,6 +67,7 @@ def tiny_quantized(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("q") / "tiny-q4"
     result = subprocess.run(
         [MLXSPEC, "quantize", str(tiny_dir), "--out", str(out), "--group-size", "32",
+         "--format", "zp",
          "--calibration-windows", "4", "--calibration-tokens", "64", "--max-kl", "10",
          "--min-top1", "0"],
         capture_output=True, text=True, timeout=900, env=os.environ.copy(),
@@ -135,7 +136,7 @@ def test_refuses_to_overwrite_without_force_and_to_requantize(tiny_dir, tiny_qua
 def test_group_fallback_and_recipe_are_recorded(tiny_dir, tmp_path):
     out = tmp_path / "mixed"
     result = quantize(str(tiny_dir), "--out", str(out), "--method", "rtn", "--group-size", "128",
-                      "--group-fallback", "--mixed", "embed8")
+                      "--group-fallback", "--mixed", "embed8", "--format", "zp")
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "config.json").read_text())["quantization"]
     assert record["recipe"] == "embed8"
@@ -184,7 +185,7 @@ def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, g
     out = tmp_path / "gemma-awq8"
     # 2 short calibration windows: enough to exercise the path; 8 bits keeps the bar tight
     result = quantize(str(gemma3_gguf), "--out", str(out), "--method", "awq", "--bits", "8",
-                      "--calibration-windows", "2", "--calibration-tokens", "64")
+                      "--calibration-windows", "2", "--calibration-tokens", "64", "--format", "zp")
     assert result.returncode == 0, result.stderr
     record = json.loads((out / "config.json").read_text())["quantization"]
     assert record["method"] == "awq" and record["format"] == "zp" and record["bits"] == 8
@@ -198,7 +199,7 @@ def test_gemma3_awq_zp_directory_reloads_close_to_the_float_model(gemma3_gguf, g
 def test_mixed_auto_measures_sensitivity_and_records_it(tiny_dir, tmp_path):
     out = tmp_path / "auto"
     result = quantize(str(tiny_dir), "--out", str(out), "--method", "rtn", "--group-size", "32",
-                      "--mixed", "auto:5")
+                      "--mixed", "auto:5", "--format", "zp")
     assert result.returncode == 0, result.stderr
     assert "by measured sensitivity within 5 bits per weight" in result.stdout
     record = json.loads((out / "config.json").read_text())["quantization"]
@@ -212,7 +213,8 @@ def test_the_cli_spells_the_library_choices():
     from mlxspec.cli import quantize as command
     from mlxspec.quant import quantize as library
 
-    assert command.METHODS == library.METHODS and command.FORMATS == library.FORMATS
+    assert set(command.METHODS) == set(library.METHODS)
+    assert set(command.FORMATS) == set(library.FORMATS)
 
 
 def test_quantize_to_dir_reports_what_it_did_and_gates_against_the_source(tiny_dir, tmp_path):
@@ -231,6 +233,8 @@ def test_quantize_to_dir_reports_what_it_did_and_gates_against_the_source(tiny_d
     assert stored == report.evaluation and stored["reference"] == str(tiny_dir)
     assert stored["results"]["kl_mean"] < 0.01
     assert json.loads(json.dumps(report.as_dict()))["passed"] is True
+    saved = json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]
+    assert saved["format"] == "mlx"  # the default: plain mlx-lm loads it
 
 
 # -- issue 10: nothing lost, refused before the slow work ----------------------------------------
