@@ -15,6 +15,10 @@ side with mlx-lm's own affine quantization at the same bits.
 - speed: decode tokens/s (mlx-lm's ``stream_generate``, medians of interleaved runs) of the float
   model, mlx-lm affine 4-bit, and the mlxspec 4-bit zp model with its CPU paths ``auto`` (float32
   copy + BLAS) and ``quantized`` (``mx.quantized_matmul``), with resident weight bytes.
+- exactness cost (``--exactness-cost``): KL of RTN with scales exact in float16/bfloat16 (the
+  default MLX affine output) against float32 scales, at 4 and 8 bits.
+- mlx-lm anchors (``--mlx-lm-anchors gptq,awq``): mlx-lm's own ``mlx_lm.gptq``/``mlx_lm.awq`` on
+  the same source and calibration text, evaluated the same way.
 - kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
   ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
 
@@ -141,6 +145,83 @@ def quality(name: str, windows: int, calibration_windows: int,
     return rows
 
 
+def exactness_cost(name: str, windows: int, cases=((4, 64), (8, 64))) -> list[dict]:
+    """What the exact-affine constraint on the scales costs: RTN (min-max) with scales exact in
+    float16 / bfloat16 against float32 scales (20 significant bits at 4 bits: unconstrained), all
+    run as dense float32 twins so that only the scales differ. KL(reference || twin) mean/p99."""
+    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.load import load
+    from mlxspec.quant import rtn
+
+    spec = model_spec(name)
+    reference, tokenizer = load(spec)
+    cached = CachedLogits(reference)
+    eval_windows = builtin_windows(tokenizer, windows=windows)
+    weights = {p: np.array(m.weight) for p, m in reference.named_modules()
+               if type(m) in (nn.Linear, nn.Embedding)}
+    rows = []
+    for bits, group_size in cases:
+        for dtype in ("float32", "float16", "bfloat16"):
+            twin, _ = load(spec)
+            for path, module in twin.named_modules():
+                w = weights.get(path)
+                if w is None or w.shape[-1] % group_size:
+                    continue
+                q, scales, zeros = rtn.quantize(w, bits, group_size, dtype=dtype)
+                g = q.reshape(q.shape[0], -1, group_size).astype(np.float32) - zeros[..., None]
+                module.weight = mx.array((g * scales[..., None]).reshape(w.shape))
+            result = compare(twin, cached, eval_windows)
+            row = {"model": name, "bits": bits, "group_size": group_size, "scales": dtype,
+                   **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement")}}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_size: int = 64,
+                   tools=("gptq", "awq")) -> list[dict]:
+    """mlx-lm's own learned quantizers (``mlx_lm.gptq``, ``mlx_lm.awq``) on the same float source,
+    calibrated on mlxspec's calibration text (placed at ``~/.cache/mlx-lm/calibration_v5.txt``,
+    where they read it offline), timed, saved, reloaded with mlx-lm and evaluated like every
+    other row. Slow: mlx_lm.awq took 47 min on SmolLM2 on this 2-core machine."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.load import load, resolve_model_path
+    from mlxspec.quant import quantize as q
+
+    source = resolve_model_path(model_spec(name))
+    target = Path.home() / ".cache" / "mlx-lm" / "calibration_v5.txt"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        shutil.copy(q.builtin_calibration_path(), target)
+    reference, tokenizer = load(str(source))
+    cached = CachedLogits(reference)
+    eval_windows = builtin_windows(tokenizer, windows=windows)
+    rows = []
+    for tool in tools:
+        out = Path(out_root) / f"{name}-mlx_lm-{tool}-{bits}g{group_size}"
+        extra = (["--fallback-bits", str(bits), "--fallback-group-size", str(group_size)]
+                 if tool == "gptq" else ["--embed-bits", str(bits),
+                                         "--embed-group-size", str(group_size)])
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", f"mlx_lm.{tool}", "--model", str(source),
+                        "--mlx-path", str(out), "--bits", str(bits), "--group-size",
+                        str(group_size), *extra], check=True)
+        seconds = time.perf_counter() - start
+        model, _ = load(str(out))
+        result = compare(model, cached, eval_windows)
+        row = {"model": name, "method": f"mlx_lm.{tool}", "bits": bits, "group_size": group_size,
+               "bits_per_weight": round(q.bits_per_weight(model), 3),
+               "quantize_seconds": round(seconds, 1),
+               **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity")}}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
 def decode_tps(model, prompt_ids, max_tokens: int) -> float:
     """Greedy decode tokens/s after the prompt, for exactly ``max_tokens`` tokens (no EOS stop)."""
     from mlx_lm.generate import generate_step
@@ -262,6 +343,13 @@ def main() -> None:
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--exactness-cost", action="store_true",
+                        help="KL cost of scales exact in float16/bfloat16 (RTN, 4 and 8 bits)")
+    parser.add_argument("--mlx-lm-anchors", default="",
+                        help="comma-separated mlx-lm learned quantizers to run too: gptq,awq "
+                             "(slow: mlx_lm.awq took 47 min on SmolLM2 here)")
+    parser.add_argument("--anchor-dir", default="bench-anchors",
+                        help="where the mlx-lm anchors' models are written")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
 
@@ -286,6 +374,13 @@ def main() -> None:
         methods = args.methods.split(",")
         result["quality"] = [r for n in names
                              for r in quality(n, args.windows, args.calibration_windows, methods)]
+    if args.exactness_cost:
+        result["exactness_cost"] = [r for n in names for r in exactness_cost(n, args.windows)]
+    if args.mlx_lm_anchors:
+        tools = args.mlx_lm_anchors.split(",")
+        result["mlx_lm_anchors"] = [r for n in names
+                                    for r in mlx_lm_anchors(n, args.windows, args.anchor_dir,
+                                                            tools=tools)]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))
 
