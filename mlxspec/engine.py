@@ -403,6 +403,9 @@ class Engine:
 
     def _remember(self, tokens: list[int], cache: list[Any]) -> None:
         if self.prompt_cache is not None and tokens:
+            # A cache extracted from the batch is a lazy copy: evaluated now, it stops pinning
+            # the whole batch's keys and values (GBs under load) while it waits in the LRU.
+            mx.eval([c.state for c in cache])
             self.prompt_cache.insert_cache(id(self.model), list(tokens), cache)
 
 
