@@ -307,6 +307,7 @@ def load_test(args) -> dict:
     counts = {"stream_ok": 0, "plain_ok": 0, "disconnected": 0, "malformed_400": 0,
               "rejected_429": 0, "unexpected": 0}
     texts: dict[str, set[str]] = {}
+    unexpected: dict[str, int] = {}
     lock = threading.Lock()
     memory: list[float] = []
 
@@ -330,10 +331,14 @@ def load_test(args) -> dict:
                     r = plain_request(port, b'{"messages": [oops')
                     key, text = ("malformed_400" if r["status"] == 400 else None), None
                 if key is None:
-                    key = "rejected_429" if r["status"] == 429 else "unexpected"
-            except OSError:
-                key, text = "unexpected", None
+                    key = "rejected_429" if r["status"] == 429 else f"status {r['status']}"
+            except (OSError, http.client.HTTPException) as e:
+                key, text = type(e).__name__, None
             with lock:
+                if key not in counts:
+                    counts["unexpected"] += 1
+                    unexpected[key] = unexpected.get(key, 0) + 1
+                    continue
                 counts[key] += 1
                 if text is not None:
                     texts.setdefault(prompt, set()).add(text)
@@ -350,11 +355,13 @@ def load_test(args) -> dict:
     finally:
         stop_server(proc)
     return {"clients": args.load_clients, "seconds": args.load_seconds, **counts,
+            "unexpected_kinds": unexpected,
             "prompts_with_differing_answers": sum(len(v) > 1 for v in texts.values()),
             "server_alive": alive, "health_after": health,
             "rss_mb_start": memory[0] if memory else None,
             "rss_mb_max": max(memory) if memory else None,
-            "rss_mb_end": memory[-1] if memory else None, "loadavg": loadavg()}
+            "rss_mb_end": memory[-1] if memory else None,
+            "rss_mb_every_10s": [round(m) for m in memory[::10]], "loadavg": loadavg()}
 
 
 def plain_status(port: int) -> int | None:

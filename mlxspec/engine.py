@@ -53,7 +53,8 @@ class Request:
         temp, top_p, top_k, min_p: sampling (``temp == 0`` is greedy).
         stop: strings that end generation (not included in the text).
         seed: seeds MLX's generator when the request is admitted (exactly reproducible only when
-            the request runs alone: batched requests share the generator).
+            the request runs alone: batched requests share the generator). A seeded request is
+            never speculative (the draft length depends on measured speed).
         logprobs: report the log-probability of each generated token.
         top_logprobs: also report this many most likely alternatives per token.
         repetition_penalty, logit_bias: mlx-lm's logits processors.
@@ -282,8 +283,10 @@ class Engine:
             return False
         stream = next(iter(self.streams.values()))
         request = stream.request
-        if stream.generated == 0 or stream.processors:
-            return False  # still prefilling; processors need the batch's token history
+        if stream.generated == 0 or stream.processors or request.seed is not None:
+            # still prefilling; processors need the batch's token history; a seeded request
+            # must not depend on timing (auto-k and this policy both measure speed)
+            return False
         if request.max_tokens - stream.generated < MIN_SOLO_TOKENS:
             return False
         solo, plain = self.solo_rate.value, self.plain_rate.value
@@ -403,6 +406,9 @@ class Engine:
 
     def _remember(self, tokens: list[int], cache: list[Any]) -> None:
         if self.prompt_cache is not None and tokens:
+            # A cache extracted from the batch is a lazy copy: evaluated now, it stops pinning
+            # the whole batch's keys and values (GBs under load) while it waits in the LRU.
+            mx.eval([c.state for c in cache])
             self.prompt_cache.insert_cache(id(self.model), list(tokens), cache)
 
 

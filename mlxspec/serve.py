@@ -147,8 +147,7 @@ class Server:
         self.draining = False
         self._open = 0
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _handler_class(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), _handler_class(self))
         self._http_thread: threading.Thread | None = None
 
     @property
@@ -200,6 +199,11 @@ class Server:
         ok = self.engine_thread.is_alive() and not self.draining
         return {"status": "ok" if ok else "unavailable", "open_requests": self._open,
                 "active_streams": len(engine.streams), "speculating": engine.speculating}
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a burst of connections waits in the backlog instead of failing
 
 
 def _handler_class(server: Server) -> type[BaseHTTPRequestHandler]:

@@ -144,6 +144,26 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(smollm2):
     assert text_b == reference(model, tokenizer, long_prompt, 3)[0]
 
 
+def test_prefix_cache_holds_only_what_it_counts(smollm2):
+    """Memory stays bounded: finished streams' caches in the LRU do not pin the batch's KV."""
+    import mlx.core as mx
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, max_batch=16, prompt_cache_size=4)
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    submitted = 0
+    while submitted < 16 or engine.streams:
+        for _ in range(2 if submitted < 16 else 0):  # arrivals while others decode
+            prompt = tokenizer.encode(f"{PROMPTS[submitted % 4]} (request {submitted})")
+            engine.submit(Request(prompt, max_tokens=8))
+            submitted += 1
+        engine.step()
+    mx.clear_cache()
+    held = mx.get_active_memory() - baseline
+    assert 0 < engine.prompt_cache.nbytes <= held <= engine.prompt_cache.nbytes + (4 << 20)
+
+
 def test_seeded_sampling_is_reproducible(client):
     def ask():
         r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
