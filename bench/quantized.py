@@ -102,7 +102,7 @@ def weight_bytes(model) -> int:
 
 def quality(name: str, windows: int, calibration_windows: int,
             methods=METHODS) -> list[dict]:
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load
     from mlxspec.quant import mixed
     from mlxspec.quant import quantize as q
@@ -149,7 +149,7 @@ def exactness_cost(name: str, windows: int, cases=((4, 64), (8, 64))) -> list[di
     """What the exact-affine constraint on the scales costs: RTN (min-max) with scales exact in
     float16 / bfloat16 against float32 scales (20 significant bits at 4 bits: unconstrained), all
     run as dense float32 twins so that only the scales differ. KL(reference || twin) mean/p99."""
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load
     from mlxspec.quant import rtn
 
@@ -188,7 +188,7 @@ def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_
     import subprocess
     from pathlib import Path
 
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load, resolve_model_path
     from mlxspec.quant import quantize as q
 

@@ -16,9 +16,17 @@ from typing import Any
 
 from mlxspec import __version__
 from mlxspec.errors import CorruptModelError, EvaluationError, MlxspecError, ModelNotFoundError
-from mlxspec.eval import BUILTIN_TEXT_TITLE, EVAL_FILE, read_results, source_model, verdict_line
+from mlxspec.evaluation import (
+    BUILTIN_TEXT_TITLE,
+    EVAL_FILE,
+    read_results,
+    source_model,
+    verdict_line,
+)
 from mlxspec.load import _looks_like_repo_id, default_model_path, read_config
 from mlxspec.model_checks import is_number
+from mlxspec.quant.storage import mlx_lm_loadable
+from mlxspec.quant.storage import quantization_record as quantization
 
 # The Hub id of the embedded default model (what its GGUF was converted from).
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -82,12 +90,6 @@ def evaluation_record(model_dir: Path) -> dict[str, Any] | None:
             f"re-run `mlxspec eval {model_dir} --save`"
         )
     return record
-
-
-def quantization(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``quantization`` entry of a config, or None for an unquantized model."""
-    q = config.get("quantization") or config.get("quantization_config")
-    return q if isinstance(q, dict) else None
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -235,24 +237,6 @@ def recommended_draft(base_model: str | None) -> dict[str, Any] | None:
 
 
 # -- the model card -----------------------------------------------------------------------------
-
-
-def mlx_lm_loadable(config: dict[str, Any]) -> tuple[bool, str]:
-    """Whether plain mlx-lm (and every MLX tool reading its layout) loads this model, and why:
-    ``(loadable, reason)``, the reason one sentence for the card.
-
-    Transitional: branch quant defines this in ``mlxspec.quant.storage`` (with the exactness of
-    the affine encoding); at merge this copy is replaced by that import.
-    """
-    q = quantization(config)
-    if q is None:
-        return True, "unquantized weights"
-    if q.get("format") == "zp":
-        why = q.get("reason") or "integer zero-points in mlxspec's own layout"
-        return False, f"mlxspec zero-point format ({why}): only mlxspec loads it"
-    if "quant_method" in q and "quantization" not in config:
-        return False, f"a {q['quant_method']} checkpoint: mlx-lm does not load it, mlxspec does"
-    return True, "MLX affine layout: loaded by mlx-lm and other MLX tools"
 
 
 def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:

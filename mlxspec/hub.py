@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxspec import __version__
-from mlxspec.card import CARD_FILE, evaluation_record, model_card, quantization
+from mlxspec.card import CARD_FILE, evaluation_record, model_card
 from mlxspec.errors import EvaluationError, HubError, ModelNotFoundError, UnsafeUploadError
-from mlxspec.eval import EVAL_FILE
+from mlxspec.evaluation.records import EVAL_FILE
 from mlxspec.load import check_repo_id, read_config
+from mlxspec.quant.storage import quantization_record
 
 # What makes a model, and nothing else: an api_keys.json or notes.txt beside the weights stays
 # home unless named with --include.
@@ -110,7 +111,7 @@ def check_uploadable(model_dir: Path, config: dict[str, Any], force: bool) -> st
     """Raise EvaluationError if a quantized model lacks passing evaluation results (unless
     ``force``); return the reason the card must state when ``force`` overrides the check."""
     record = evaluation_record(model_dir)
-    if quantization(config) is None:
+    if quantization_record(config) is None:
         return None
     if record is None:
         reason = "this quantized model has no evaluation results"

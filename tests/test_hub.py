@@ -15,13 +15,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from hub_server import TOKENS, HubServer
-from mlx_lm.utils import load_tokenizer
 from tiny_models import make_tiny_model, quantized_copy
 
 from mlxspec import card, hub
-from mlxspec import eval as ev
+from mlxspec import evaluation as ev
 from mlxspec.cli.main import cli
 from mlxspec.errors import EvaluationError, HubError
+from mlxspec.evaluation import evaluate_saved
 
 TOKEN = next(t for t, user in TOKENS.items() if user == "me")
 
@@ -30,28 +30,15 @@ TOKEN = next(t for t, user in TOKENS.items() if user == "me")
 def models(tmp_path_factory):
     """An unquantized tiny model, its 8-bit quantization with passing results and its 4-bit
     quantization judged against an impossible gate (failing results)."""
-    from mlx_lm.utils import load_model
 
     root = tmp_path_factory.mktemp("hub_models")
     source = make_tiny_model(root / "source")
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a source model\n")
     q8 = quantized_copy(source, root / "q8", bits=8)
     q4 = quantized_copy(source, root / "q4", bits=4)
-    tokenizer = load_tokenizer(source)
-    reference = load_model(source)[0]
-    for path, bits, thresholds in ((q8, 8, None), (q4, 4, {"max_kl": 0.0, "min_top1": 100.0})):
-        record = ev.evaluate_against(
-            load_model(path)[0],
-            tokenizer,
-            reference,
-            bits=bits,
-            reference=str(source),
-            thresholds=thresholds,
-            windows=2,
-            window_tokens=64,
-            progress=False,
-        )
-        ev.save_results(path, record)
+    for path, thresholds in ((q8, None), (q4, {"max_kl": 0.0, "min_top1": 100.0})):
+        evaluate_saved(path, reference=str(source), thresholds=thresholds, windows=2,
+                       window_tokens=64, progress=False)
     return {"source": source, "q8": q8, "q4": q4}
 
 

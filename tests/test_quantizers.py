@@ -175,7 +175,7 @@ def test_calibrated_methods_beat_rtn_on_smollm2_at_4_bits_group_128(smollm2_dir,
     # embedding/head stays float (the float-head recipe) so that both differ only in the decoder
     # linears; SmolLM2's 576-wide layers take group size 64 (--group-fallback), its 1536-wide
     # down projections 128.
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load
     from mlxspec.quant.quantize import calibration_windows, quantize_model
 

@@ -122,7 +122,7 @@ def quantized_copy(src: Path, dst: Path, bits: int, group_size: int = 32) -> Pat
     its source recorded in ``config["quantization"]["source_model"]`` as mlxspec's quantizer does."""
     from mlx_lm.utils import load_model, quantize_model
 
-    from mlxspec.eval import SOURCE_KEY
+    from mlxspec.evaluation import SOURCE_KEY
 
     model, config = load_model(Path(src))
     model, config = quantize_model(model, config, group_size, bits)

@@ -11,18 +11,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
-from mlxspec.errors import EvaluationError, ModelNotFoundError, TokenizerMismatchError
+from mlxspec.errors import EvaluationError, ModelNotFoundError
 from mlxspec.evaluation.gate import gate
 from mlxspec.evaluation.metrics import acceptance, compare, perplexity
 from mlxspec.evaluation.records import save_results, source_model
 from mlxspec.evaluation.windows import (
     DEFAULT_WINDOW_TOKENS,
     DEFAULT_WINDOWS,
-    builtin_text,
-    encode,
     take_windows,
 )
 from mlxspec.load import load, read_config, resolve_model_path
+from mlxspec.speculative.tokenizers import check_same_tokenizer
 
 ModelSpec = str | Path | None  # a Hub repo id, a model directory, a .gguf file; None: the default
 
@@ -84,7 +83,7 @@ def evaluate(
     if reference_dir is None:
         return {**result, **perplexity(nn_model, token_windows, progress=progress)}
     reference_model, reference_tokenizer = load(reference_dir)
-    check_same_tokenizer(tokenizer, reference_tokenizer)
+    check_same_tokenizer(tokenizer, reference_tokenizer, "the reference model")
     measured = compare(nn_model, dense_on_cpu(reference_model), token_windows, progress=progress)
     return {**result, "reference": str(reference), **measured}
 
@@ -121,7 +120,7 @@ def evaluate_saved(
     reference_dir = _reference_dir(reference, model_dir)
     model, tokenizer = load(model_dir)
     reference_model, reference_tokenizer = load(reference_dir)
-    check_same_tokenizer(tokenizer, reference_tokenizer)
+    check_same_tokenizer(tokenizer, reference_tokenizer, "the reference model")
     token_windows = take_windows(tokenizer, text, windows, window_tokens)
     results = compare(dense_on_cpu(model), dense_on_cpu(reference_model), token_windows,
                       progress=progress)
@@ -134,20 +133,6 @@ def evaluate_saved(
     }
     save_results(model_dir, record)
     return record
-
-
-def check_same_tokenizer(tokenizer, other_tokenizer, what: str = "the reference model") -> None:
-    """Raise TokenizerMismatchError unless both tokenizers split the built-in text identically.
-
-    The one call site of the "same tokenizer" rule in evaluation; the stronger rule (every id,
-    the special tokens) lives with the speculative decoder and replaces this at merge.
-    """
-    sample = builtin_text()[:4000]
-    if encode(tokenizer, sample) != encode(other_tokenizer, sample):
-        raise TokenizerMismatchError(
-            f"{what} tokenizes text differently from the model: compare models that share a "
-            "tokenizer"
-        )
 
 
 def dense_on_cpu(model: nn.Module) -> nn.Module:
