@@ -385,3 +385,14 @@ def test_a_gguf_source_is_not_converted_before_the_output_is_refused(tmp_path, m
     result = quantize(str(gguf), "--out", str(out(tmp_path)), "--force")
     assert_one_line_error(result, needle)
     assert tree(tmp_path) == before
+
+
+def test_json_prints_the_report_and_nothing_else(tiny_dir, tmp_path):
+    result = quantize(str(tiny_dir), "--out", str(tmp_path / "q8"), "--bits", "8", "--method",
+                      "rtn", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["out_dir"] == str((tmp_path / "q8").absolute()) and report["bits"] == 8
+    assert report["evaluation"] is None and report["passed"] is None  # --no-eval
+    assert report["weight_bytes"] == sum(
+        f.stat().st_size for f in (tmp_path / "q8").glob("*.safetensors"))
