@@ -15,11 +15,13 @@ from mlxspec.errors import InvalidArgumentError
 
 def embedding_rows(model: nn.Module) -> int | None:
     """Rows of the model's input embedding (valid token ids are below it), None if not found."""
-    for _, module in model.named_modules():
+    embeddings = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    embeddings.sort(key=lambda item: not item[0].endswith("embed_tokens"))  # the token embedding
+    for _, module in embeddings[:1]:
         if isinstance(module, nn.QuantizedEmbedding):
             return int(module.num_embeddings)
-        if isinstance(module, nn.Embedding):
-            return int(module.weight.shape[0])
+        return int(module.weight.shape[0])
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     return int(vocab) if vocab else None
 

@@ -110,9 +110,9 @@ class DraftLengthPlanner:
         if k == 0:
             return
         if caught_up <= 2:
-            self.draft_costs.append(draft_s / k)
+            self.draft_costs.append(draft_s / max(drafted, 1))  # a confidence stop drafts < k
         else:
-            extra = max(draft_s - k * self.draft_cost, 0.0) / (caught_up - 1)
+            extra = max(draft_s - drafted * self.draft_cost, 0.0) / (caught_up - 1)
             self.catch_up_costs.append(extra)
 
     # -- the model -------------------------------------------------------------------------------
