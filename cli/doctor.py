@@ -53,7 +53,7 @@ def command(check_kernels, no_measure, as_json):
     """
     report = system_report(measure=not no_measure)
     if check_kernels:
-        from mlxspec.quant.kernels import check_on_device
+        from mlxspec.quant.kernel_check import check_on_device
 
         report["kernel_check"] = check_on_device()
     if as_json:
