@@ -15,8 +15,7 @@ import sys
 
 import click
 
-from mlxspec.benchmark import memory_bandwidth
-from mlxspec.quant import kernels
+from mlxspec.quant import kernel_check, kernels
 
 # (name, out_features N, in_features K): decode-time matmuls of common model sizes.
 SHAPES = [
@@ -42,14 +41,14 @@ def main(quick: bool, output: str | None) -> None:
 
     shapes = SHAPES[1:2] if quick else SHAPES
     bits_list = BITS[:1] if quick else BITS
-    check = kernels.check_on_device(timing=False)
-    copy_gbps = memory_bandwidth()
+    check = kernel_check.check_on_device(timing=False)
+    copy_gbps = kernel_check.gpu_copy_bandwidth()  # a GPU copy, not a CPU memcpy
     results = []
     runs = [(s, b, m) for s in shapes for b in bits_list for m in ROWS]
     with Progress(transient=True) as progress:
         task = progress.add_task("timing kernels", total=len(runs))
         for (name, n, k), bits, rows in runs:
-            r = kernels.benchmark_matmul(n, k, bits=bits, group_size=64, rows=rows)
+            r = kernel_check.benchmark_matmul(n, k, bits=bits, group_size=64, rows=rows)
             r["shape"] = name
             r["zp_roofline"] = r["zp_gbps"] / copy_gbps
             r["affine_roofline"] = r["affine_gbps"] / copy_gbps

@@ -40,7 +40,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
     except Exception as e:  # reported, not raised: doctor diagnoses
         report["default_model"] = f"missing: {e}"
     if check_kernels:
-        from mlxspec.quant.kernels import check_on_device
+        from mlxspec.quant.kernel_check import check_on_device
 
         report["kernel_check"] = check_on_device()
     return report

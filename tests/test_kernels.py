@@ -17,7 +17,7 @@ from metal_emu import emulator
 from metal_emu.emulator import EmulationError
 
 from mlxspec.errors import MlxspecError, QuantizationError
-from mlxspec.quant import format, kernels
+from mlxspec.quant import format, kernel_check, kernels
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the Metal emulator needs g++")
 needs_clang = pytest.mark.skipif(
@@ -76,7 +76,7 @@ def test_check_on_device_refuses_clearly_without_metal():
     if mx.metal.is_available():
         pytest.skip("Metal is available: the check runs for real (mlxspec doctor --kernels)")
     with pytest.raises(MlxspecError, match="needs Metal"):
-        kernels.check_on_device()
+        kernel_check.check_on_device()
 
 
 @pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
@@ -138,8 +138,13 @@ def test_emulator_compiles_the_exact_text_mlx_generates():
 
 
 def emulate_matmul(x, layer, bits, group_size, flavor="plain", edit=None):
+    """The custom kernel for x's rows: zp_qmv for one row, zp_qmm for 2-16."""
     with emulator.emulated(flavor, edit) as emu:
-        y = kernels.metal_matmul(x, *layer, bits=bits, group_size=group_size)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:
+            y = kernels.metal_matmul(x, *layer, bits=bits, group_size=group_size)
+        else:
+            y = kernels.metal_qmm(rows, *layer, bits=bits, group_size=group_size)
         mx.eval(y)
     return y, [name for name, _, _ in emu.launches]
 
@@ -202,12 +207,21 @@ def test_emulated_kernels_take_every_activation_dtype(kernel_rows, dtype, scale_
 
 
 @needs_gxx
-def test_more_than_16_rows_dequantize_then_matmul():
+@pytest.mark.parametrize("m", [2, 20])
+def test_two_or_more_rows_use_quantized_matmul_without_dequantizing_the_layer(m, monkeypatch):
+    # No kernel launch (in particular no whole-layer zp_dequantize): mx.quantized_matmul on the
+    # exact affine form. MLXSPEC_QMM=zp opts into zp_qmm for 2-16 rows.
     layer, dense = make_layer(19, 320, 4, 32)
-    x, x64 = make_input((2, 10, 320), mx.float32)
-    y, launched = emulate_matmul(x, layer, 4, 32)
-    assert launched == ["zp_dequantize"] and y.shape == (2, 10, 19)
-    assert_matmul_close(y.reshape(20, 19), x64.reshape(20, 320), dense, mx.float32)
+    x, x64 = make_input((2, m // 2, 320), mx.float32)
+    with emulator.emulated() as emu:
+        y = kernels.metal_matmul(x, *layer, bits=4, group_size=32)
+        mx.eval(y)
+    assert emu.launches == [] and y.shape == (2, m // 2, 19)
+    assert_matmul_close(y.reshape(m, 19), x64.reshape(m, 320), dense, mx.float32)
+    monkeypatch.setenv("MLXSPEC_QMM", "zp")
+    with emulator.emulated() as emu:
+        mx.eval(kernels.metal_matmul(x, *layer, bits=4, group_size=32))
+    assert [name for name, _, _ in emu.launches] == (["zp_qmm"] if m <= 16 else [])
 
 
 @needs_gxx
@@ -236,7 +250,7 @@ def test_emulated_dequantize_equals_format_dequantize_exactly(
 
 
 @needs_gxx
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 16])  # qmv; qmm at BM = 4, 8 and 16
 def test_kernels_are_race_free_under_thread_sanitizer(rows):
     layer, dense = make_layer(33, 576, 4, 64)
     x, x64 = make_input((rows, 576), mx.float16)
@@ -245,12 +259,12 @@ def test_kernels_are_race_free_under_thread_sanitizer(rows):
 
 
 @needs_gxx
-@pytest.mark.parametrize("rows", [1, 6, 17])
+@pytest.mark.parametrize("rows", [1, 3, 16])  # qmv, and qmm at BM = 4 and BM = 16
 def test_kernels_stay_in_bounds_under_address_sanitizer(rows):
     layer, dense = make_layer(33, 352, 3, 32)  # 3 bits: packs straddle words
     x, x64 = make_input((rows, 352), mx.float16)
     y, _ = emulate_matmul(x, layer, 3, 32, flavor="asan")
-    assert_matmul_close(y, x64, dense, mx.float16, dense_in=mx.float16 if rows > 16 else None)
+    assert_matmul_close(y, x64, dense, mx.float16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,7 +372,11 @@ def generated_sources(m: int, n: int, k: int, edit=None) -> list[str]:
 
     saved, kernels._launch = kernels._launch, record
     try:
-        kernels.metal_matmul(x, *layer, bits=3, group_size=32)
+        rows = x.reshape(-1, x.shape[-1])
+        if m == 1:
+            kernels.metal_matmul(x, *layer, bits=3, group_size=32)
+        else:
+            kernels.metal_qmm(rows, *layer, bits=3, group_size=32)
         kernels.metal_dequantize(*layer, bits=3, group_size=32, dtype=mx.float32)
     finally:
         kernels._launch = saved
@@ -476,20 +494,34 @@ def pretend_metal(monkeypatch):
         return format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "metal_matmul", kernels.fallback_matmul)
-    monkeypatch.setattr(kernels, "metal_dequantize", dequantize)
+    monkeypatch.setattr(kernel_check, "metal_matmul", kernels.fallback_matmul)
+    monkeypatch.setattr(kernel_check, "metal_qmm", kernels.fallback_matmul)
+    monkeypatch.setattr(kernel_check, "metal_dequantize", dequantize)
 
 
 def test_check_on_device_reports_every_path(pretend_metal):
-    report = kernels.check_on_device(timing=False)
+    report = kernel_check.check_on_device(timing=False)
     assert report["ok"]
     paths = {(c["path"], c["bits"], c["group_size"], c["dtype"]) for c in report["cases"]}
-    assert ("qmv M=1", 3, 128, "bfloat16") in paths
-    assert ("qmm M=16", 8, 32, "float16") in paths
-    assert ("dequantize+matmul M=33", 2, 64, "float32") in paths
+    assert ("matmul M=1", 3, 128, "bfloat16") in paths
+    assert ("zp_qmm M=16", 8, 32, "float16") in paths
+    assert ("matmul M=33", 2, 64, "float32") in paths
+
+
+def test_a_failing_kernel_is_a_report_line_not_a_traceback(pretend_metal, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("[metal::Device] Unable to build metal library from source\nmore")
+
+    monkeypatch.setattr(kernel_check, "metal_qmm", broken)
+    report = kernel_check.check_on_device(timing=False)
+    failed = [c for c in report["cases"] if not c["ok"]]
+    assert not report["ok"] and failed and all(c["path"].startswith("zp_qmm") for c in failed)
+    assert failed[0]["error"] == "[metal::Device] Unable to build metal library from source"
+    assert any(c["ok"] and c["path"] == "matmul M=1" for c in report["cases"])
 
 
 def test_benchmark_matmul_reports_times_and_bandwidth(pretend_metal):
-    r = kernels.benchmark_matmul(64, 256, bits=4, group_size=64, rows=8, iters=2, working_set_mb=0)
+    r = kernel_check.benchmark_matmul(64, 256, bits=4, group_size=64, rows=8, iters=2,
+                                      working_set_mb=0)
     assert r["path"] == "qmm" and r["zp_us"] > 0 and r["affine_us"] > 0
     assert r["zp_gbps"] > 0 and r["speedup"] == pytest.approx(r["affine_us"] / r["zp_us"])
