@@ -189,7 +189,10 @@ def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
     def client(c: int) -> None:
         for r in range(requests):
             prompt = prompts[(c * requests + r) % len(prompts)]
-            out = stream_request(port, chat_body(prompt, max_tokens))
+            try:
+                out = stream_request(port, chat_body(prompt, max_tokens))
+            except (OSError, http.client.HTTPException) as e:  # a refused or dropped connection
+                out = {"status": type(e).__name__, "text": "", "times": [], "tokens": 0}
             with lock:
                 results.append(out)
 

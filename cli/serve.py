@@ -33,12 +33,14 @@ from mlxspec.cli.speculative_options import load_draft, speculative_options
               help="Prompt tokens per forward: long prompts are prefilled in chunks.")
 @click.option("--prompt-cache-size", default=8, show_default=True, type=click.IntRange(min=0),
               help="Finished conversations kept for prefix reuse (0: off).")
+@click.option("--allow-origin", "allowed_origins", multiple=True,
+              help="A web origin whose pages may call the server (CORS; repeatable; '*': any).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds SIGTERM / Ctrl-C waits for open requests.")
 @speculative_options
 def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_context, max_concurrent,
-            max_body_bytes, max_batch, prefill_step, prompt_cache_size, drain_timeout,
-            draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+            max_body_bytes, max_batch, prefill_step, prompt_cache_size, allowed_origins,
+            drain_timeout, draft_model, num_draft_tokens, prompt_lookup, ngram_max):
     """Serve the model over an OpenAI-compatible API (as mlx_lm.server).
 
     Routes: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
@@ -75,7 +77,8 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
                     prompt_cache_size=prompt_cache_size)
     try:
         server = Server(engine, model_id=model or os.path.basename(str(path)), host=host,
-                        port=port, api_key=api_key, limits=limits)
+                        port=port, api_key=api_key, limits=limits,
+                        allowed_origins=allowed_origins)
     except OSError as e:
         raise ServeAddressError(f"cannot listen on {host}:{port}: {e.strerror}; choose another "
                                 "--port or --host") from e

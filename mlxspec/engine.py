@@ -244,8 +244,9 @@ class Engine:
     # -- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Advance every active stream by one decode step (a speculative step may emit several
-        tokens of one stream); returns the new events, finished streams' last."""
+        """Advance every active stream by one token (a lone speculative stream: its next token,
+        the rest of an accepted draft following in the next calls at no cost); returns the new
+        events, a finished stream's last."""
         if self._solo is not None and len(self.streams) > 1:
             self._solo_to_batch()
         elif self._solo is None and self._wants_solo():

@@ -134,14 +134,18 @@ class Server:
         host, port: where to listen (port 0: any free port; see ``url``).
         api_key: if set, requests need ``Authorization: Bearer <api_key>``.
         limits: request limits.
+        allowed_origins: web origins whose pages may call the server (CORS; ``"*"``: any).
+            None by default: a page the user visits cannot use a local model behind their back.
     """
 
     def __init__(self, engine: Engine, *, model_id: str, host: str = "127.0.0.1",
-                 port: int = 8080, api_key: str | None = None, limits: Limits | None = None):
+                 port: int = 8080, api_key: str | None = None, limits: Limits | None = None,
+                 allowed_origins: tuple[str, ...] = ()):
         self.engine_thread = EngineThread(engine)
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
         self.api_key = api_key
+        self.allowed_origins = tuple(allowed_origins)
         self.limits = limits or Limits()
         self.created = int(time.time())
         self.draining = False
@@ -223,9 +227,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing ----------------------------------------------------------------------------
 
+    def _cors(self) -> None:
+        allowed, origin = self.owner.allowed_origins, self.headers.get("Origin")
+        if origin is None or not allowed:
+            return
+        if "*" in allowed or origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
+            self.send_header("Vary", "Origin")
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+
     def _send_json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
+        self._cors()
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
@@ -253,6 +268,12 @@ class _Handler(BaseHTTPRequestHandler):
             return True
 
     # -- routes ------------------------------------------------------------------------------
+
+    def do_OPTIONS(self) -> None:  # a browser's CORS preflight
+        self.send_response(204)
+        self._cors()
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
@@ -352,6 +373,7 @@ class _Handler(BaseHTTPRequestHandler):
             for batch in self._events(ticket):
                 if first:
                     self.send_response(200)
+                    self._cors()
                     self.send_header("Content-Type", "text/event-stream")
                     self.send_header("Cache-Control", "no-cache")
                     self.end_headers()

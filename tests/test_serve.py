@@ -44,7 +44,8 @@ def server(smollm2):
     engine = Engine(model, tokenizer, max_batch=8, draft=make_draft(model, tokenizer,
                                                                     prompt_lookup=True))
     limits = Limits(max_body_bytes=64 << 10, max_tokens=256, max_context=2048, max_concurrent=3)
-    srv = Server(engine, model_id="smollm2", port=0, api_key=API_KEY, limits=limits).start()
+    srv = Server(engine, model_id="smollm2", port=0, api_key=API_KEY, limits=limits,
+                 allowed_origins=("http://app.example",)).start()
     yield srv
     srv.drain(timeout=5)
 
@@ -218,6 +219,16 @@ def test_api_key_is_required_but_health_is_open(server):
     conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=10)
     conn.request("GET", "/health")
     assert json.loads(conn.getresponse().read())["status"] == "ok"
+
+
+@pytest.mark.parametrize("origin, allowed", [("http://app.example", True),
+                                             ("http://evil.example", False)])
+def test_only_allowed_web_origins_get_cors_headers(server, origin, allowed):
+    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=10)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={"Origin": origin})
+    response = conn.getresponse()
+    assert response.status == 204
+    assert response.getheader("Access-Control-Allow-Origin") == (origin if allowed else None)
 
 
 def test_disconnecting_clients_free_their_slots_and_the_limit_holds(server, client):
