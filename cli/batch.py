@@ -21,7 +21,7 @@ from mlxspec.cli.speculative_options import load_draft, speculative_options
               help="Sequences decoded together (default: from memory and a measured curve).")
 @speculative_options
 def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, stop, batch_size,
-            draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+            draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence):
     """Generate a completion for every line of PROMPTS (JSONL) into --out (JSONL).
 
     Each line is {"id": ..., "prompt": "raw text"} or {"id": ..., "messages": [...]} (chat
@@ -42,7 +42,8 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
     nn_model, tokenizer = load(model)
     draft_nn, draft_tokenizer = load_draft(draft_model)
     draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
-                       prompt_lookup=prompt_lookup, ngram_max=ngram_max)
+                       prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+                       min_confidence=draft_min_confidence)
     defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                     seed=seed, stop=tuple(stop))
     summary = run_jsonl(nn_model, tokenizer, prompts, out, defaults=defaults,

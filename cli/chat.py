@@ -6,9 +6,11 @@ import sys
 
 import click
 
-from mlxspec.cli.common import model_option, sampling_options, stats_line
+from mlxspec.cli.common import model_option, sampling_options
+from mlxspec.cli.render import stats_line
 from mlxspec.cli.speculative_options import (
     check_text,
+    kv_bits_option,
     load_draft,
     read_text,
     speculative_options,
@@ -45,6 +47,7 @@ def _read_line(interactive: bool) -> str | None:
 @click.option("--live-stats", is_flag=True, help="Print a statistics line after every reply.")
 @sampling_options
 @speculative_options
+@kv_bits_option
 def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top_k, min_p,
             seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence,
             kv_bits):
@@ -60,9 +63,10 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     \b
     In the chat: /reset, /system TEXT, /stats, /help, /quit; Ctrl-C stops a reply, Ctrl-D exits.
     """
+    from mlxspec.benchmark import model_bytes
     from mlxspec.chat import ChatSession
     from mlxspec.errors import MlxspecError
-    from mlxspec.load import load, model_bytes
+    from mlxspec.load import load
 
     if system is not None:
         check_text(system, "--system")

@@ -9,8 +9,6 @@ import math
 
 import click
 
-from mlxspec.cli.render import stats_line  # noqa: F401  (its old home; import it from render)
-
 
 def model_option(f):
     return click.option(

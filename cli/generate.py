@@ -7,10 +7,12 @@ import sys
 
 import click
 
-from mlxspec.cli.common import model_option, sampling_options, stats_line
+from mlxspec.cli.common import model_option, sampling_options
+from mlxspec.cli.render import stats_line
 from mlxspec.cli.speculative_options import (
     PrefillProgress,
     check_text,
+    kv_bits_option,
     load_draft,
     read_text,
     speculative_options,
@@ -28,6 +30,7 @@ from mlxspec.cli.speculative_options import (
               help="Keep at most this many tokens in a rotating KV cache.")
 @sampling_options
 @speculative_options
+@kv_bits_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
             top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
@@ -41,9 +44,10 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
       mlxspec generate --prompt-lookup -p "Add a docstring to: def f(x): return x*2"
       echo "Explain DNS" | mlxspec generate -p - --json
     """
+    from mlxspec.benchmark import model_bytes
     from mlxspec.chat import chat_prompt
     from mlxspec.generate import stream_generate
-    from mlxspec.load import load, model_bytes
+    from mlxspec.load import load
 
     prompt = read_text(sys.stdin.buffer.read(), "standard input") if prompt == "-" else prompt
     check_text(prompt, "--prompt")

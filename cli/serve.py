@@ -40,7 +40,8 @@ from mlxspec.cli.speculative_options import load_draft, speculative_options
 @speculative_options
 def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_context, max_concurrent,
             max_body_bytes, max_batch, prefill_step, prompt_cache_size, allowed_origins,
-            drain_timeout, draft_model, num_draft_tokens, prompt_lookup, ngram_max):
+            drain_timeout, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
+            draft_min_confidence):
     """Serve the model over an OpenAI-compatible API (as mlx_lm.server).
 
     Routes: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
@@ -66,7 +67,8 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
     nn_model, tokenizer = load(str(path))
     draft_nn, draft_tokenizer = load_draft(draft_model)
     draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
-                       prompt_lookup=prompt_lookup, ngram_max=ngram_max)
+                       prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+                       min_confidence=draft_min_confidence)
     if max_context is None:
         max_context = int(read_config(path).get("max_position_embeddings") or 8192)
     limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,

@@ -20,8 +20,7 @@ def parse_num_draft_tokens(value: str) -> int | str:
 
 
 def speculative_options(f):
-    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max, --draft-min-confidence,
-    --kv-bits."""
+    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max, --draft-min-confidence."""
     options = [
         click.option("--draft-model", default=None,
                      help="A smaller model sharing the tokenizer that proposes tokens."),
@@ -35,13 +34,18 @@ def speculative_options(f):
         click.option("--draft-min-confidence", default=0.0, show_default=True,
                      type=click.FloatRange(0.0, 1.0, max_open=True),
                      help="A draft model stops drafting when its top probability falls below this."),
-        click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
-                     callback=lambda ctx, param, v: None if v is None else int(v),
-                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def kv_bits_option(f):
+    """--kv-bits: quantize the KV cache (single-stream decoding: `generate` and `chat`)."""
+    return click.option(
+        "--kv-bits", default=None, type=click.Choice(["4", "8"]),
+        callback=lambda ctx, param, v: None if v is None else int(v),
+        help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache).")(f)
 
 
 def read_text(data: bytes, where: str) -> str:

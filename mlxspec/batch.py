@@ -18,9 +18,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlxspec.benchmark import model_bytes
 from mlxspec.engine import Engine, Request, make_draft
 from mlxspec.generate import encode_prompt
-from mlxspec.load import model_bytes
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the throughput curve is measured at
 KNEE = 0.9  # doubling the batch must raise the throughput by 1 / KNEE (11 %) to be worth it

@@ -105,6 +105,7 @@ def compare_decode(
         ``decode_ratio`` / ``prefill_ratio`` (mlxspec ÷ mlx-lm).
     """
     from mlxspec.blas import blas_report
+    from mlxspec.chat import chat_prompt
     from mlxspec.load import load
 
     say = progress or (lambda _msg: None)
@@ -112,7 +113,7 @@ def compare_decode(
     model, tokenizer = load(model_spec)
     messages = [{"role": "user", "content": prompt}]
     if tokenizer.chat_template:
-        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        prompt_ids = chat_prompt(tokenizer, messages)
     else:
         prompt_ids = tokenizer.encode(prompt)
     nbytes = model_bytes(model)

@@ -429,6 +429,7 @@ def make_draft(
     draft_tokenizer: TokenizerWrapper | None = None,
     prompt_lookup: bool = False,
     ngram_max: int = 3,
+    min_confidence: float = 0.0,
 ) -> Any:
     """The drafter for ``Engine(draft=...)``: a draft model, prompt lookup, or ``None``."""
     if draft_model is None and not prompt_lookup:
@@ -440,4 +441,5 @@ def make_draft(
         draft_tokenizer=draft_tokenizer,
         prompt_lookup=prompt_lookup,
         ngram_max=ngram_max,
+        min_confidence=min_confidence,
     )

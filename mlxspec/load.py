@@ -332,18 +332,3 @@ def read_tokenizer(
         raise CorruptModelError(
             f"cannot load the tokenizer in {model_dir}: {_one_line(e)}"
         ) from e
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decoded token reads (bytes): every parameter, except that an
-    input embedding table not shared with the output head is read one row at a time."""
-    from mlx.utils import tree_flatten
-
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    args = getattr(model, "args", None)
-    tied = getattr(args, "tie_word_embeddings", True)
-    if not tied:
-        for name, module in model.named_modules():
-            if name.endswith("embed_tokens"):
-                total -= sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-    return total

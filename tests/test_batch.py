@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from mlxspec.batch import batch_generate, choose_batch_size, kv_bytes_per_token
 from mlxspec.batch_jsonl import run_jsonl
+from mlxspec.benchmark import model_bytes
 from mlxspec.generate import generate
-from mlxspec.load import model_bytes
 
 PROMPTS = [
     "The capital of France is",

@@ -337,6 +337,6 @@ def test_evaluate_is_the_api_of_the_cli(models):
 
 
 def test_cli_defaults_are_the_library_defaults():
-    params = {p.name: p.default for p in cli.commands["eval"].params}
+    params = {p.name: p.default for p in cli.get_command(None, "eval").params}
     assert params["windows"] == ev.DEFAULT_WINDOWS
     assert params["window_tokens"] == ev.DEFAULT_WINDOW_TOKENS

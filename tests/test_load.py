@@ -10,6 +10,7 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 from tiny_models import make_tiny_model
 
+from mlxspec.benchmark import model_bytes
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -17,7 +18,7 @@ from mlxspec.errors import (
     ModelNotFoundError,
     UnsafeCheckpointError,
 )
-from mlxspec.load import load, model_bytes, resolve_model_path
+from mlxspec.load import load, resolve_model_path
 
 load_module = importlib.import_module("mlxspec.load")  # the module, not the function
 

@@ -16,21 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"mlxspec": ROOT / "mlxspec", "mlxspec.cli": ROOT / "cli"}
 MAX_LINES = 450  # "~400": a module past this should be split
 
-# Cycles still present in other areas at the time of writing: (importer, imported) edges. The
-# lead removes each entry once its cycle is gone (the strict xfail below then fails as a reminder).
-KNOWN_CYCLE_EDGES = {
-    ("mlxspec.quant.layers", "mlxspec.load"): "issue 12 (quant): load <-> layers <-> checkpoints",
-    ("mlxspec.quant.layers", "mlxspec.quant.checkpoints"): "issue 12 (quant): layers <-> "
-                                                          "checkpoints",
-    ("mlxspec.sampling", "mlxspec.generate"): "issue 11 (core): sampling.py must be a leaf",
-    ("mlxspec.speculative", "mlxspec.generate"): "issue 11 (core): generate chooses speculative",
-    ("mlxspec.drafters", "mlxspec.generate"): "issue 11 (core): generate chooses speculative",
-}
 # Modules past MAX_LINES in other areas at the time of writing (same strict-xfail reminder).
 KNOWN_LONG = {
     "mlxspec.quant.quantize": "issue 12 (quant): split the driver",
     "mlxspec.quant.layers": "issue 12 (quant): layers only in layers.py",
-    "mlxspec.gguf": "issue 10/12: gguf tensor import moves to its own module",
 }
 
 
@@ -127,21 +116,9 @@ def test_the_import_graph_sees_the_package():
     assert "mlxspec.quantize_flow" in graph["mlxspec.cli.quantize"]  # an import in a function
 
 
-def test_no_import_cycles_beyond_the_known_ones():
-    graph = _graph()
-    unexplained = [
-        sorted(c) for c in _cycles(graph)
-        if not any(a in c and b in c and b in graph[a] for a, b in KNOWN_CYCLE_EDGES)
-    ]
-    assert not unexplained, f"import cycles: {unexplained}"
-
-
-@pytest.mark.parametrize("edge", sorted(KNOWN_CYCLE_EDGES))
-def test_known_cycle_is_gone(edge, request):
-    request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_CYCLE_EDGES[edge]))
-    graph = _graph()
-    a, b = edge
-    assert not any(a in c and b in c for c in _cycles(graph)), f"{a} -> {b} is in a cycle"
+def test_no_import_cycles():
+    cycles = [sorted(c) for c in _cycles(_graph())]
+    assert not cycles, f"import cycles: {cycles}"
 
 
 def test_library_modules_stay_small():
