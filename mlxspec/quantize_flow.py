@@ -109,6 +109,7 @@ def quantize_to_dir(
     """
     from mlxspec.load import load, read_config, resolve_model_path
     from mlxspec.quant import quantize as q
+    from mlxspec.quant.storage import quantization_record
 
     step = on_step or (lambda _name, _report: None)
     _check_options(bits, group_size, method, output_format, act_order, q)
@@ -127,7 +128,7 @@ def quantize_to_dir(
     check_output_dir(out_dir, protected=protected, force=force)
     model_dir = resolve_model_path(model)
     config = read_config(model_dir)
-    if config.get("quantization") or config.get("quantization_config"):
+    if quantization_record(config) is not None:
         raise QuantizationError(
             f"{model_dir} is already quantized: quantize its unquantized source instead"
         )

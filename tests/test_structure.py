@@ -9,18 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 # Where each installed package lives in the checkout (pyproject's package-dir).
 PACKAGE_DIRS = {"mlxspec": ROOT / "mlxspec", "mlxspec.cli": ROOT / "cli"}
 MAX_LINES = 450  # "~400": a module past this should be split
 
-# Modules past MAX_LINES in other areas at the time of writing (same strict-xfail reminder).
-KNOWN_LONG = {
-    "mlxspec.quant.quantize": "issue 12 (quant): split the driver",
-    "mlxspec.quant.layers": "issue 12 (quant): layers only in layers.py",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -123,15 +116,8 @@ def test_no_import_cycles():
 
 def test_library_modules_stay_small():
     too_long = {m: n for m, p in _modules().items()
-                if (n := len(p.read_text().splitlines())) > MAX_LINES and m not in KNOWN_LONG}
+                if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not too_long, f"split these modules: {too_long}"
-
-
-@pytest.mark.parametrize("module", sorted(KNOWN_LONG))
-def test_known_long_module_is_split(module, request):
-    request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_LONG[module]))
-    path = _modules().get(module)
-    assert path is None or len(path.read_text().splitlines()) <= MAX_LINES  # gone: split
 
 
 def _imported_after(code: str) -> set[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxspec.errors import EvaluationError
+from mlxspec.quant.storage import quantization_record
 
 EVAL_FILE = "mlxspec_eval.json"  # evaluation results stored beside a quantized model
 SOURCE_KEY = "source_model"  # config.json["quantization"][SOURCE_KEY]: what it was quantized from
@@ -33,5 +34,4 @@ def read_results(model_dir: str | Path) -> dict[str, Any] | None:
 
 def source_model(config: dict[str, Any]) -> str | None:
     """What a quantized model was quantized from (``config["quantization"]["source_model"]``)."""
-    quantization = config.get("quantization") or config.get("quantization_config") or {}
-    return quantization.get(SOURCE_KEY) if isinstance(quantization, dict) else None
+    return (quantization_record(config) or {}).get(SOURCE_KEY)
