@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from llama_toys import tiny_llama
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxspec.cache import WindowKVCache, make_cache, prefill
 from mlxspec.chat import ChatSession
 from mlxspec.generate import stream_generate
 from mlxspec.speculative import PromptLookupDrafter
-
-
-def tiny_llama(seed: int = 0, vocab: int = 64) -> llama.Model:
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    model.lm_head.weight = 4.0 * model.lm_head.weight
-    mx.eval(model.parameters())
-    return model
-
 
 # -- the sliding-window cache --------------------------------------------------------------------
 

@@ -117,19 +117,11 @@ def test_empty_prompt_and_bad_max_tokens_are_rejected(smollm2):
 # -- the API boundary: typed one-line errors, before any work --------------------------------
 
 
-def tiny_llama(vocab: int = 256, context: int | None = None, hidden: int = 32):
-    from mlx_lm.models import llama
+def toy(vocab: int = 256, context: int | None = None, hidden: int = 32):
+    """A tiny random llama (tests/llama_toys.py) with this test module's defaults."""
+    from llama_toys import tiny_llama
 
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=2, intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-        tie_word_embeddings=False, max_position_embeddings=context,
-    )
-    model = llama.Model(args)
-    model.lm_head.weight = 4.0 * model.lm_head.weight
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(0, vocab=vocab, hidden=hidden, context=context)
 
 
 class IdsTokenizer:
@@ -181,7 +173,7 @@ def test_out_of_range_arguments_raise_a_one_line_typed_error(kwargs, name):
     from mlxspec.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match=name) as error:
-        ids(tiny_llama(), [1, 2, 3], max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
+        ids(toy(), [1, 2, 3], max_tokens=kwargs.pop("max_tokens", 4), **kwargs)
     assert "\n" not in str(error.value)
 
 
@@ -191,14 +183,14 @@ def test_token_ids_outside_the_embedding_are_refused(prompt):
     from mlxspec.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="token id|whole numbers"):
-        ids(tiny_llama(vocab=256), prompt, max_tokens=2)
-    assert len(ids(tiny_llama(vocab=256), [255, 5], max_tokens=2)) == 2
+        ids(toy(vocab=256), prompt, max_tokens=2)
+    assert len(ids(toy(vocab=256), [255, 5], max_tokens=2)) == 2
 
 
 def test_a_prompt_beyond_the_context_is_refused_unless_a_window_is_asked_for():
     from mlxspec.errors import InvalidArgumentError
 
-    model = tiny_llama(context=64)
+    model = toy(context=64)
     with pytest.raises(InvalidArgumentError, match="context of 64 tokens.*max_kv_size"):
         ids(model, list(range(1, 60)), max_tokens=10)
     assert len(ids(model, list(range(1, 60)), max_tokens=5)) == 5  # 59 + 5 fits
@@ -210,13 +202,13 @@ def test_same_seed_same_text_with_or_without_speculation_whatever_k():
     same tokens for the same seed (and other seeds give other tokens)."""
     from mlxspec.speculative import DraftModelDrafter
 
-    model = tiny_llama(vocab=32)
+    model = toy(vocab=32)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     options = dict(max_tokens=40, temp=0.9, top_k=8, seed=7)
     plain = ids(model, prompt, **options)
     for k in (1, 3, "auto"):
         assert ids(model, prompt, prompt_lookup=True, num_draft_tokens=k, **options) == plain, k
-        draft = DraftModelDrafter(tiny_llama(vocab=32), vocab_size=32, real_vocab=32)
+        draft = DraftModelDrafter(toy(vocab=32), vocab_size=32, real_vocab=32)
         assert ids(model, prompt, draft=draft, num_draft_tokens=k, **options) == plain, k
     assert ids(model, prompt, **{**options, "seed": 8}) != plain
 
@@ -226,7 +218,7 @@ def test_generation_speed_counts_every_pass_after_the_prefill():
     time from the end of the prefill contains every pass, so it cannot beat the passes' own."""
     from mlxspec.speculative import DraftModelDrafter
 
-    model = tiny_llama(vocab=32)
+    model = toy(vocab=32)
     self_draft = DraftModelDrafter(model, vocab_size=32, real_vocab=32)  # always right
     *_, last = stream_generate(model, IdsTokenizer(), [1, 2, 3], max_tokens=8, draft=self_draft,
                                num_draft_tokens=7)
@@ -237,7 +229,7 @@ def test_generation_speed_counts_every_pass_after_the_prefill():
 
 @pytest.mark.parametrize("spec", [{}, {"prompt_lookup": True}])
 def test_prompt_progress_is_reported_in_chunks_up_to_the_whole_prompt(spec):
-    model = tiny_llama(vocab=32)
+    model = toy(vocab=32)
     seen = []
     ids(model, list(range(1, 31)) * 10, max_tokens=3, prefill_step_size=64,
         prompt_progress_callback=lambda done, total: seen.append((done, total)), **spec)
@@ -252,7 +244,7 @@ def test_quantized_kv_cache_with_and_without_speculation_equals_mlx_lm():
 
     from mlxspec.cache import make_cache
 
-    model = tiny_llama(vocab=32, hidden=128)  # head_dim 32: one quantization group
+    model = toy(vocab=32, hidden=128)  # head_dim 32: one quantization group
     prompt = [1, 2, 3, 4, 5, 6, 7] * 4
     kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=8)
     expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=30, **kv)]

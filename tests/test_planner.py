@@ -28,7 +28,7 @@ class Machine:
     acceptance: float = 0.8
     catch_up: float = 0.0  # seconds per context token the drafter catches up on
     prompt: int = 64  # tokens the drafter must catch up on before its first draft
-    spike: float = 0.0  # extra seconds of the first pass and of the first speculative pass
+    spike: float = 0.0  # extra seconds of the first speculative pass (a kernel compiled for it)
     noise: float = 0.0  # sigma of a lognormal factor on every measured time
 
 
@@ -42,14 +42,13 @@ def simulate(machine: Machine, num_draft_tokens: int | str, seed: int = 0) -> fl
         return seconds * rng.lognormal(0.0, m.noise) if m.noise else seconds
 
     clock, generated, unseen = 0.0, 0, m.prompt
-    first_plain = first_speculative = True
+    first_speculative = True
     while generated < TOKENS:
         left = TOKENS - generated
         k = planner.choose(left - 1, unseen)
         if k == 0:
             for _ in range(planner.plain_stretch(left)):
-                seconds = noisy(m.step) + (m.spike if first_plain else 0.0)
-                first_plain = False
+                seconds = noisy(m.step)
                 clock += seconds
                 planner.observe(0, 0, 0, 0.0, seconds, 0)
                 generated += 1

@@ -19,8 +19,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from chi_square import chi_square_pvalue
+from llama_toys import tiny_llama
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -46,20 +46,6 @@ GREEDY = SamplingParams()
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, scale: float = 4.0) -> llama.Model:
-    """A random llama with a scaled output head, so its predictions are far from uniform."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    model.lm_head.weight = scale * model.lm_head.weight
-    mx.eval(model.parameters())
-    return model
 
 
 def first_layers(model: nn.Module, n: int) -> nn.Module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from chi_square import chi_square_pvalue
+from llama_toys import tiny_llama
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_logits_processors
 from test_sampling import numpy_reference
@@ -31,19 +32,6 @@ PROMPT = [1, 2, 1, 2]
 SAMPLING = SamplingParams(temp=0.6, top_k=5, top_p=0.95, min_p=0.05)
 BIAS = {3: 1.0, 5: -0.7}
 PENALTY = 2.5
-
-
-def tiny_llama(seed: int, layers: int, scale: float) -> llama.Model:
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    model.lm_head.weight = scale * model.lm_head.weight
-    mx.eval(model.parameters())
-    return model
 
 
 def exact_next(model, ids: list[int], processors: bool = True) -> np.ndarray:
@@ -73,7 +61,7 @@ def exact_joint(model, n: int, processors: bool = True) -> dict[tuple[int, ...],
 
 def perturbed_copy(seed: int, noise: float) -> llama.Model:
     """The target with noise on its output head: a draft kept often, but not always."""
-    draft = tiny_llama(seed, layers=2, scale=2.5)
+    draft = tiny_llama(seed, layers=2, vocab=VOCAB, scale=2.5, hidden=32)
     mx.random.seed(100)
     head = draft.lm_head.weight
     draft.lm_head.weight = head + noise * mx.abs(head).mean() * mx.random.normal(head.shape)
@@ -82,7 +70,7 @@ def perturbed_copy(seed: int, noise: float) -> llama.Model:
 
 
 def test_first_three_tokens_follow_plain_sampling_with_processors_and_k2():
-    target = tiny_llama(2, layers=2, scale=2.5)
+    target = tiny_llama(2, layers=2, vocab=VOCAB, scale=2.5, hidden=32)
     draft = perturbed_copy(2, noise=0.6)
     exact = exact_joint(target, 3)
     drafter = DraftModelDrafter(draft, vocab_size=VOCAB, real_vocab=VOCAB)

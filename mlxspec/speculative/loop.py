@@ -205,7 +205,7 @@ def speculative_generate_step(
     history = prompt[:-1] if processors else None  # what processors see, as in generate_step
     last = prompt[-1:].astype(mx.uint32)  # the next pass starts from it (not yet in the cache)
     generated = 0
-    unyielded = 0  # accepted drafts in the target cache that the caller has not received
+    rollback_on_close = 0  # tokens in the target cache the caller has not received yet
     try:
         while generated < max_tokens:
             left = max_tokens - generated
@@ -249,7 +249,7 @@ def speculative_generate_step(
                 tic = time.perf_counter()
                 inputs = mx.concatenate([last, drafts])
                 logprobs = _target_logprobs(model, prompt_cache, inputs, history, processors)
-                unyielded = drafted  # the drafts are in the cache, not yet verified
+                rollback_on_close = drafted  # the drafts are in the cache, not yet verified
                 if sampling.greedy:
                     accepted, token = verify_greedy(logprobs, drafts)
                 elif seeded:
@@ -269,7 +269,7 @@ def speculative_generate_step(
             # 3. Roll the target cache back to [.., last, d1..dn]; keep d1..dn and add token.
             if not trim_cache(prompt_cache, drafted - n):
                 raise RuntimeError(f"the KV cache could not roll back {drafted - n} tokens")
-            unyielded = n
+            rollback_on_close = n
             emitted = tokens[:n] + [token]
             planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up)
             stats.record(k, drafted, n, len(emitted), draft_s, verify_s)
@@ -280,10 +280,10 @@ def speculative_generate_step(
             last = mx.array([token], mx.uint32)
             quantize(prompt_cache)
             for i, t in enumerate(emitted):
-                unyielded = max(n - i - 1, 0)  # if the caller stops here, these leave the cache
+                rollback_on_close = max(n - i - 1, 0)  # if the caller stops here, these leave
                 yield t, logprobs[i], i < n
             if generated % 256 < len(emitted):
                 mx.clear_cache()
     finally:
-        trim_cache(prompt_cache, unyielded)
+        trim_cache(prompt_cache, rollback_on_close)
         swap_back(prompt_cache, originals)
