@@ -338,7 +338,10 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 item = ticket.events.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                if self._client_gone() or not self.owner.engine_thread.is_alive():
+                if not self.owner.engine_thread.is_alive():
+                    raise ApiError("the generation thread has stopped", 500,
+                                   kind="server_error") from None
+                if self._client_gone():
                     ticket.cancelled = True
                     return
                 continue
