@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 
 import click
@@ -84,6 +85,7 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
     except OSError as e:
         raise ServeAddressError(f"cannot listen on {host}:{port}: {e.strerror}; choose another "
                                 "--port or --host") from e
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
                err=True)
     serve_forever(server, drain_timeout=drain_timeout)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.batch import BatchResult, choose_batch_size, iter_batch
+from mlxspec.batch import choose_batch_size, iter_batch
 from mlxspec.chat import chat_prompt
 from mlxspec.engine import Engine, Request
 from mlxspec.generate import encode_prompt
@@ -121,8 +121,8 @@ def run_jsonl(
     if seed is not None:
         mx.random.seed(seed)
     skip = done_ids(out_path)
-    lines = [(n, line) for n, line in enumerate(in_path.read_text().splitlines(), 1)
-             if line.strip()]
+    text = in_path.read_text(encoding="utf-8", errors="replace")  # a bad line fails alone
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     seen: set[str] = set()
     jobs = []
     for number, line in lines:
@@ -143,9 +143,11 @@ def run_jsonl(
     batch_size = batch_size or 1
     engine = Engine(model, tokenizer, max_batch=batch_size, draft=draft,
                     num_draft_tokens=num_draft_tokens, prompt_cache_size=0)
-    expected = sum(r.max_tokens for r in runnable)
+    budgets = {key: r.max_tokens for key, r in jobs if isinstance(r, Request)}
+    expected = sum(budgets.values())
     ok = errors = tokens = 0
     tic = time.perf_counter()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     bar = _Progress(len(jobs), expected, enabled=progress)
     try:
@@ -161,7 +163,7 @@ def run_jsonl(
                 ok += 1
                 tokens += result.completion_tokens
             os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
-            bar.done(result)
+            bar.done(budgets.get(key, 0) - result.completion_tokens)
     finally:
         os.close(fd)
         bar.close()
@@ -174,39 +176,36 @@ def run_jsonl(
 
 
 class _Progress:
-    """A rich progress bar over the generated tokens (tokens/s, ETA), on a terminal only."""
+    """A rich progress bar on a terminal: tokens against the jobs' max_tokens budget (a request
+    that ends early gives back the rest), with requests done, tokens/s and ETA."""
 
     def __init__(self, requests: int, expected_tokens: int, enabled: bool | None):
         enabled = sys.stderr.isatty() if enabled is None else enabled
         self.bar = None
         if not enabled or requests == 0:
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(
-            TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("batch"), BarColumn(),
+            TextColumn("{task.fields[done]}/{task.fields[requests]} requests"),
             TextColumn("{task.fields[rate]:.1f} tok/s"), TimeRemainingColumn(),
-            transient=False,
         )
-        self.task = self.bar.add_task("batch", total=requests, rate=0.0)
-        self.tic, self.count = time.perf_counter(), 0
+        self.task = self.bar.add_task("batch", total=max(expected_tokens, 1), rate=0.0, done=0,
+                                      requests=requests)
+        self.tic, self.count, self.done_count = time.perf_counter(), 0, 0
         self.bar.start()
 
     def tokens(self, n: int) -> None:
         if self.bar is not None:
             self.count += n
             rate = self.count / max(time.perf_counter() - self.tic, 1e-9)
-            self.bar.update(self.task, rate=rate)
+            self.bar.update(self.task, advance=n, rate=rate)
 
-    def done(self, result: BatchResult) -> None:
+    def done(self, unused_tokens: int) -> None:
         if self.bar is not None:
-            self.bar.advance(self.task)
+            self.done_count += 1
+            self.bar.update(self.task, advance=max(unused_tokens, 0), done=self.done_count)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -338,7 +338,10 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 item = ticket.events.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                if self._client_gone() or not self.owner.engine_thread.is_alive():
+                if not self.owner.engine_thread.is_alive():
+                    raise ApiError("the generation thread has stopped", 500,
+                                   kind="server_error") from None
+                if self._client_gone():
                     ticket.cancelled = True
                     return
                 continue
@@ -360,12 +363,27 @@ class _Handler(BaseHTTPRequestHandler):
     def _complete(self, completion: Completion) -> None:
         ticket = Ticket(completion)
         self.owner.engine_thread.submit(ticket)
-        tokenizer = self.owner.tokenizer
         events: list[Event] = []
+        tic = time.perf_counter()
+        try:
+            self._answer(completion, ticket, events)
+        finally:
+            last = events[-1] if events else None
+            outcome = "disconnected" if ticket.cancelled else "failed"
+            if last is not None and last.finish_reason is not None:
+                outcome = f"finish={last.finish_reason}"
+            log.info("%s %s %s prompt=%s cached=%s completion=%s %.2fs", self.path,
+                     "stream" if completion.stream else "json", outcome,
+                     last and last.prompt_tokens, last and last.cached_tokens,
+                     last and last.completion_tokens, time.perf_counter() - tic)
+
+    def _answer(self, completion: Completion, ticket: Ticket, events: list[Event]) -> None:
+        """Write the response; ``events`` is filled with what was sent (the last one last)."""
+        tokenizer = self.owner.tokenizer
         try:
             if not completion.stream:
                 for batch in self._events(ticket):
-                    events += batch
+                    events.extend(batch)
                 if events and events[-1].finish_reason is not None:
                     self._send_json(200, response_body(completion, events, tokenizer))
                 return
@@ -377,7 +395,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.send_header("Content-Type", "text/event-stream")
                     self.send_header("Cache-Control", "no-cache")
                     self.end_headers()
-                events = batch
+                events.extend(batch)
                 if first or batch[-1].finish_reason or completion.request.logprobs or any(
                     e.text for e in batch
                 ):

@@ -69,10 +69,16 @@ def test_chat_and_streamed_completion_equal_plain_greedy(smollm2, client):
     chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     text, n = reference(model, tokenizer, chat_ids, 10)
     r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=10,
-                                       temperature=0)
+                                       temperature=0, logprobs=True, top_logprobs=2)
     assert r.choices[0].message.content == text
     assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens == n
     assert r.choices[0].finish_reason == ("length" if n == 10 else "stop")
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == text and len(content) == n
+    for c in content:  # greedy: each token is the most likely one
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob)
+        assert c.logprob >= c.top_logprobs[1].logprob
 
     text, n = reference(model, tokenizer, PROMPTS[1], 8)
     chunks = list(client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=8,
