@@ -525,3 +525,28 @@ def test_benchmark_matmul_reports_times_and_bandwidth(pretend_metal):
                                       working_set_mb=0)
     assert r["path"] == "qmm" and r["zp_us"] > 0 and r["affine_us"] > 0
     assert r["zp_gbps"] > 0 and r["speedup"] == pytest.approx(r["affine_us"] / r["zp_us"])
+
+
+@needs_gxx
+def test_threadgroup_memory_over_32_kb_is_caught():
+    # zp_qmm stages BM x 256 floats (16 KB at BM = 16); doubling the tile passes 32 KB.
+    edit = replacing("zp_qmm.metal", "threadgroup float x_tile[BM * TILE];",
+                     "threadgroup float x_tile[BM * TILE * 3];")
+    layer, _ = make_layer(33, 576, 4, 64)
+    x, _ = make_input((16, 576), mx.float16)
+    with pytest.raises(EmulationError, match="threadgroup memory exceed"):
+        emulate_matmul(x, layer, 4, 64, edit=edit)
+
+
+@needs_gxx
+def test_threads_over_the_threadgroup_limit_are_caught(monkeypatch):
+    layer, _ = make_layer(8, 64, 4, 32)
+    x, _ = make_input((1, 64), mx.float16)
+    with emulator.emulated() as emu:
+
+        def oversized(name, **kwargs):
+            return emu(name, **{**kwargs, "threadgroup": (32, 64, 1)})
+
+        monkeypatch.setattr(kernels, "_launch", oversized)
+        with pytest.raises(EmulationError, match="2048 threads exceeds the limit of 1024"):
+            mx.eval(kernels.metal_matmul(x, *layer, bits=4, group_size=32))

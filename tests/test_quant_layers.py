@@ -405,3 +405,29 @@ def test_act_order_cannot_be_saved_as_mlx_and_the_card_is_told_why(tiny_dir, tmp
                          output_format="zp")
     loadable, why = mlx_lm_loadable(json.loads((out / "config.json").read_text()))
     assert not loadable and "act-order" in why
+
+
+def test_the_cpu_policy_follows_the_device_not_the_kernel_backend(monkeypatch):
+    # On a Mac with the kernels switched off (MLXSPEC_KERNELS=mlx) layers stay packed on the GPU:
+    # float32 copies are a CPU measure.
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setenv("MLXSPEC_KERNELS", "mlx")
+    monkeypatch.setenv(layers.CPU_PATH_ENV, "dense")
+    assert layers.matmul_path(64, 64) == "quantized"
+    assert "GPU" in layers.describe()
+    monkeypatch.delenv("MLXSPEC_KERNELS")
+    assert layers.matmul_path(64, 64) == "metal"
+
+
+def test_untied_embedding_lookups_never_make_a_dense_copy(monkeypatch):
+    monkeypatch.setenv(layers.CPU_PATH_ENV, "dense")
+    rng = np.random.default_rng(3)
+    q, s, z = random_quantized(rng, 40, 64, 4, 32)
+    before = layers._dense_bytes
+    emb = ZeroPointEmbedding.from_quantized(q, s, z, bits=4, group_size=32)
+    rows = emb(mx.array([0, 7, 39]))
+    np.testing.assert_allclose(np.array(rows), reference_weight(q, s, z, 32)[[0, 7, 39]],
+                               rtol=0, atol=1e-7)
+    assert layers._dense_bytes == before and emb._cache.dense is None
+    emb.as_linear(mx.zeros((1, 64)))  # the tied head is a matmul: the dense copy is allowed
+    assert layers._dense_bytes == before + 4 * 40 * 64

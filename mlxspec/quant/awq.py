@@ -28,12 +28,18 @@ it, else quantizing stops with an error naming the block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import rtn
+from mlxspec.quant.format import dtype_name
+from mlxspec.quant.layers import zero_point_like
 
 ALPHAS = np.arange(20) / 20  # the grid of exponents searched (as AutoAWQ)
 SEARCH_ROWS = 512  # output rows per layer that the search scores (evenly spaced; all if fewer)
@@ -152,3 +158,62 @@ def scale_columns(linear: nn.Module, s: np.ndarray) -> None:
     """Multiply the linear's input columns by ``s`` in place."""
     scaled = linear.weight.astype(mx.float32) * mx.array(s)[None, :]
     linear.weight = scaled.astype(linear.weight.dtype)
+
+
+@dataclass
+class AWQ:
+    """The :class:`mlxspec.quant.calibrate.BlockQuantizer` step of ``--method awq``: search and
+    fold scales for each group of linears sharing an input, check the float block is unchanged,
+    then quantize with importance-weighted RTN."""
+
+    grid: int = rtn.DEFAULT_GRID
+    dtype: mx.Dtype = mx.float16
+    needs_norms: ClassVar[bool] = True
+
+    def quantize_block(self, block, prefix: str, targets: dict, recorders: dict, plan: dict,
+                       check: tuple) -> dict:
+        modules = dict(block.named_modules())
+        groups: dict[int, list[str]] = {}
+        for name in targets:
+            groups.setdefault(id(recorders[name].hessian), []).append(name)
+        x, args, kwargs = check
+        before = block(x, *args, **kwargs)
+        importance = {}  # each target's input energy per column, after the input is divided by s
+        for names in groups.values():
+            h = recorders[names[0]].hessian.matrix()
+            source, fold = recorders[names[0]].source, None
+            if source is not None:
+                fold = partial(fold_into_norm, modules[source])
+            elif len(names) == 1 and names[0].endswith("down_proj"):
+                up = modules.get(names[0][: -len("down_proj")] + "up_proj")
+                fold = None if up is None else partial(fold_into_rows, up)
+            importance.update({n: np.diag(h) for n in names})  # divided by s**2 if scaled below
+            if fold is None:
+                continue
+            specs = [plan[f"{prefix}.{n}"] for n in names]
+            weights = [np.array(targets[n].weight.astype(mx.float32)) for n in names]
+            bits, group_size = min(sp.bits for sp in specs), max(sp.group_size for sp in specs)
+            s, _, _ = search_scales(weights, h, bits, group_size, dtype_name(self.dtype))
+            if not scaling_helps(weights, h, s, bits, group_size, self.grid, dtype_name(self.dtype)):
+                continue
+            fold(s)
+            for n in names:
+                scale_columns(targets[n], s)
+                importance[n] = importance[n] / s.astype(np.float64) ** 2
+        after = block(x, *args, **kwargs)
+        drift = (mx.linalg.norm((after - before).astype(mx.float32))
+                 / mx.linalg.norm(before.astype(mx.float32))).item()
+        if not drift < 1e-2:
+            raise QuantizationError(
+                f"AWQ scaling changed the float outputs of {prefix} (relative {drift:.2g}): this "
+                "architecture is not supported by --method awq; use --method gptq"
+            )
+        quantized = {}
+        for name, module in targets.items():
+            spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
+            q, scales, zeros = rtn.quantize(w, spec.bits, spec.group_size, grid=self.grid,
+                                            importance=importance[name].astype(np.float32),
+                                            dtype=dtype_name(self.dtype))
+            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                              group_size=spec.group_size, dtype=self.dtype)
+        return quantized

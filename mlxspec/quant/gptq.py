@@ -21,12 +21,16 @@ result is stored permuted: the layer applies ``x[..., perm]`` before the matmul
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import mlx.core as mx
 import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import rtn
-from mlxspec.quant.format import check_spec
+from mlxspec.quant.format import check_spec, dtype_name
+from mlxspec.quant.layers import zero_point_like
 
 BLOCK_SIZE = 128  # columns per lazy-update block; a multiple of every supported group size
 DEFAULT_DAMP = 0.01  # damping, as a fraction of the mean diagonal of H
@@ -133,3 +137,29 @@ def quantize(
             errors[:, j] = err
         w[:, i2:] -= errors @ u[i1:i2, i2:]
     return q, scales, zeros.astype(np.uint8), perm
+
+
+@dataclass
+class GPTQ:
+    """GPTQ on every planned linear of a decoder block: the
+    :class:`mlxspec.quant.calibrate.BlockQuantizer` step of ``--method gptq``."""
+
+    act_order: bool = False
+    damp: float = DEFAULT_DAMP
+    grid: int = rtn.DEFAULT_GRID
+    dtype: mx.Dtype = mx.float16
+    needs_norms: ClassVar[bool] = False
+
+    def quantize_block(self, block, prefix: str, targets: dict, recorders: dict, plan: dict,
+                       check: tuple) -> dict:
+        quantized = {}
+        for name, module in targets.items():
+            spec = plan[f"{prefix}.{name}"]
+            q, scales, zeros, perm = quantize(
+                np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(),
+                spec.bits, spec.group_size, damp=self.damp, act_order=self.act_order, grid=self.grid,
+                dtype=dtype_name(self.dtype),
+            )
+            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                              group_size=spec.group_size, perm=perm, dtype=self.dtype)
+        return quantized

@@ -74,8 +74,8 @@ def matmul_path(out_features: int, in_features: int) -> str:
     ``"metal"`` (zero-point kernels), ``"dense"`` (float32 copy + BLAS) or ``"quantized"``
     (``mx.quantized_matmul`` on the affine form). See the module docstring for the measurements.
     """
-    if kernels.backend() == "metal":
-        return "metal"
+    if mx.metal.is_available():  # the device decides: a GPU never holds float32 copies
+        return "metal" if kernels.backend() == "metal" else "quantized"
     setting = cpu_path_setting()
     if setting != "auto":
         return setting
@@ -85,8 +85,9 @@ def matmul_path(out_features: int, in_features: int) -> str:
 
 def describe() -> str:
     """One line for ``mlxspec doctor``: how zero-point layers multiply here."""
-    if kernels.backend() == "metal":
-        return "zero-point layers: Metal kernels"
+    if mx.metal.is_available():
+        return ("zero-point layers: Metal kernels" if kernels.backend() == "metal" else
+                "zero-point layers: mx.quantized_matmul on the GPU (MLXSPEC_KERNELS=mlx)")
     setting = cpu_path_setting()
     used = f"{_dense_bytes / 1e9:.2f} GB of float32 copies held"
     if setting == "quantized":

@@ -1,4 +1,5 @@
-"""Quantize a whole model into the zero-point format, in memory, and save it.
+"""The quantization driver: a whole model into zero-point layers, in memory, with scales exact in
+the model's dtype (so :func:`mlxspec.quant.storage.save_quantized` writes MLX's affine layout).
 
     model, quantization = quantize_model(model, bits=4, group_size=64, method="gptq",
                                          calibration_tokens=calibration_windows(tokenizer)[0])
@@ -12,23 +13,21 @@ head is the embedding) at ``bits``/``group_size``, unless a recipe rule says oth
 
 Methods:
 
-- ``rtn``: round-to-nearest with a per-group clipping search (:mod:`mlxspec.quant.rtn`).
-- ``gptq``: the decoder blocks' linears with GPTQ (:mod:`mlxspec.quant.gptq`), layer by layer as
-  AutoGPTQ and gpt-fast do: the calibration windows are run through the embedding once, then
-  through one block at a time; each block's linears get their Hessians from that block's inputs,
-  are quantized, and the *quantized* block's outputs become the next block's inputs. Memory holds
-  one block's activations and Hessians, never the whole model's. Embeddings and an untied
-  ``lm_head`` use ``rtn``.
+- ``rtn``: round-to-nearest, min-max by default (:mod:`mlxspec.quant.rtn`).
+- ``gptq``: the decoder blocks' linears with GPTQ (:class:`mlxspec.quant.gptq.GPTQ`), block by
+  block (:mod:`mlxspec.quant.calibrate`): each block's linears get their Hessians from that
+  block's inputs, are quantized, and the *quantized* block's outputs become the next block's
+  inputs. Embeddings and an untied ``lm_head`` use ``rtn``.
 - ``awq``: the same block-by-block walk; each group of linears sharing an input gets
   activation-aware scales folded into the norm or linear producing that input, then
-  importance-weighted ``rtn`` (:mod:`mlxspec.quant.awq`).
+  importance-weighted ``rtn`` (:class:`mlxspec.quant.awq.AWQ`).
+
+Each calibrated method is one :class:`~mlxspec.quant.calibrate.BlockQuantizer`; this module only
+plans, walks the blocks and records what was done.
 """
 
 from __future__ import annotations
 
-import hashlib
-from functools import partial
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,16 @@ import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import awq, format, gptq, rtn
+from mlxspec.quant.calibrate import (  # noqa: F401  (calibration names re-exported for the CLI)
+    CALIBRATION_BATCH,
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_CALIBRATION_WINDOWS,
+    BlockQuantizer,
+    block_inputs,
+    builtin_calibration_path,
+    calibration_windows,
+    record_block,
+)
 from mlxspec.quant.layers import replace_modules, zero_point_like
 from mlxspec.quant.mixed import LayerSpec, load_recipe, plan_layers, quantizable_layers
 from mlxspec.quant.storage import (
@@ -49,55 +58,9 @@ from mlxspec.quant.storage import (
 
 METHODS = ("rtn", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through the model
-DEFAULT_CALIBRATION_WINDOWS = 32
-DEFAULT_CALIBRATION_TOKENS = 256  # tokens per calibration window
-CALIBRATION_BATCH = 4  # windows run through a block at a time
 
 
 # -- calibration text ----------------------------------------------------------------------------
-
-
-def builtin_calibration_path() -> Path:
-    """The calibration text shipped with the package (``mlxspec/data/calibration.txt``, see
-    ``data/PROVENANCE.md``; disjoint from the evaluation text)."""
-    return Path(str(resources.files("mlxspec") / "data" / "calibration.txt"))
-
-
-def calibration_windows(
-    tokenizer,
-    path: str | Path | None = None,
-    *,
-    windows: int = DEFAULT_CALIBRATION_WINDOWS,
-    window_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-) -> tuple[list[list[int]], str]:
-    """Consecutive token windows of a calibration text and the text's sha256.
-
-    Args:
-        tokenizer: has ``encode(text, add_special_tokens=False)``.
-        path: a UTF-8 text file; None for the built-in calibration text.
-        windows: at most this many windows (fewer if the text is shorter).
-        window_tokens: tokens per window.
-
-    Returns:
-        ``(windows, sha256 hex of the file's bytes)``.
-    """
-    path = Path(path) if path is not None else builtin_calibration_path()
-    if not path.is_file():
-        raise QuantizationError(f"calibration text not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise QuantizationError(f"{path} is not UTF-8 text: {e.reason}") from e
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    count = min(windows, len(ids) // window_tokens)
-    if count < 1:
-        raise QuantizationError(
-            f"{path} holds {len(ids)} tokens, fewer than one calibration window of "
-            f"{window_tokens}: give a longer text"
-        )
-    out = [ids[i * window_tokens : (i + 1) * window_tokens] for i in range(count)]
-    return out, hashlib.sha256(data).hexdigest()
 
 
 # -- quantizing ----------------------------------------------------------------------------------
@@ -112,191 +75,10 @@ def _rtn_layer(module: nn.Module, spec: LayerSpec, grid: int, dtype: mx.Dtype) -
                            dtype=dtype)
 
 
-class _StopForward(Exception):
-    """Raised by the last block's catcher: the rest of the forward pass is not needed."""
-
-
-class _Catcher:
-    """Stands in for a decoder block during one forward pass and records how it is called."""
-
-    def __init__(self, block, record: list, stop: bool):
-        self.block, self.record, self.stop = block, record, stop
-
-    def __getattr__(self, name):  # models read block attributes (e.g. llama's use_sliding)
-        return getattr(self.block, name)
-
-    def __call__(self, x, *args, **kwargs):
-        self.record.append((x, args, kwargs))
-        if self.stop:
-            raise _StopForward
-        return x
-
-
-def _block_calls(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list]:
-    """The first block's input ``(batch, T, hidden)`` for ``tokens`` ``(batch, T)``, and the extra
-    arguments (mask, cache) the model passes to each block."""
-    blocks = model.layers
-    records = [[] for _ in blocks]
-    originals = list(blocks)
-    try:
-        for i, block in enumerate(originals):
-            blocks[i] = _Catcher(block, records[i], stop=i == len(blocks) - 1)
-        model(tokens)
-    except _StopForward:
-        pass
-    finally:
-        for i, block in enumerate(originals):
-            blocks[i] = block
-    if any(len(r) != 1 for r in records):
-        raise QuantizationError(
-            "this model does not call its decoder blocks one after another: use --method rtn"
-        )
-    return records[0][0][0], [(args, kwargs) for _, args, kwargs in (r[0] for r in records)]
-
-
-class _SharedInputs:
-    """The arrays seen during one block call: linears fed the same array (q/k/v, gate/up) share
-    one Hessian instead of accumulating identical ones, and remember which norm produced it."""
-
-    def __init__(self):
-        self.seen: dict[int, tuple[mx.array, gptq.Hessian]] = {}
-        self.produced: dict[int, tuple[mx.array, str]] = {}  # a norm's output -> the norm's name
-
-    def clear(self) -> None:
-        self.seen.clear()
-        self.produced.clear()
-
-
-class _HessianRecorder(nn.Module):
-    """Wraps a linear layer; adds each input to the layer's (possibly shared) Hessian and notes
-    the norm (if any) that produced the input."""
-
-    def __init__(self, linear: nn.Module, shared: _SharedInputs):
-        super().__init__()
-        self.linear = linear
-        self.shared = shared
-        self.hessian: gptq.Hessian | None = None
-        self.source: str | None = None
-
-    def __call__(self, x):
-        seen = self.shared.seen.get(id(x))
-        if seen is not None and seen[0] is x:
-            self.hessian = seen[1]
-        else:
-            self.hessian = self.hessian or gptq.Hessian(x.shape[-1])
-            self.hessian.add(x)
-            self.shared.seen[id(x)] = (x, self.hessian)
-        produced = self.shared.produced.get(id(x))
-        self.source = produced[1] if produced is not None and produced[0] is x else None
-        return self.linear(x)
-
-
-class _OutputRecorder(nn.Module):
-    """Wraps a norm; remembers the arrays it returns (AWQ folds scales into their producer)."""
-
-    def __init__(self, norm: nn.Module, name: str, shared: _SharedInputs):
-        super().__init__()
-        self.norm, self.name, self.shared = norm, name, shared
-
-    def __call__(self, x):
-        y = self.norm(x)
-        self.shared.produced[id(y)] = (y, self.name)
-        return y
-
-
-def _norms(block: nn.Module) -> dict[str, nn.Module]:
-    """The block's normalisation layers (a 1-D ``weight`` and "norm" in the class name)."""
-    return {
-        name: m for name, m in block.named_modules()
-        if "norm" in type(m).__name__.lower() and "weight" in m and m.weight.ndim == 1
-    }
-
-
-def _record_block(block, targets, hidden, args, kwargs, track_norms: bool
-                  ) -> dict[str, _HessianRecorder]:
-    """Run ``hidden`` through ``block`` and return a Hessian recorder per target linear (which
-    also names the norm that produced its input, with ``track_norms``)."""
-    shared = _SharedInputs()
-    recorders = {name: _HessianRecorder(m, shared) for name, m in targets.items()}
-    norms = _norms(block) if track_norms else {}
-    replace_modules(block, {**recorders,
-                            **{n: _OutputRecorder(m, n, shared) for n, m in norms.items()}})
-    try:
-        for x in hidden:
-            mx.eval(block(x, *args, **kwargs))
-            shared.clear()
-    finally:
-        replace_modules(block, {**targets, **norms})
-    return recorders
-
-
-def _gptq_block(block, prefix, targets, recorders, plan, *, act_order, damp, grid, dtype, **_):
-    quantized = {}
-    for name, module in targets.items():
-        spec = plan[f"{prefix}.{name}"]
-        q, scales, zeros, perm = gptq.quantize(
-            np.array(module.weight.astype(mx.float32)), recorders[name].hessian.matrix(),
-            spec.bits, spec.group_size, damp=damp, act_order=act_order, grid=grid,
-            dtype=format.dtype_name(dtype),
-        )
-        quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                          group_size=spec.group_size, perm=perm, dtype=dtype)
-    return quantized
-
-
-def _awq_block(block, prefix, targets, recorders, plan, *, check, grid, dtype, **_):
-    """Search and fold AWQ scales for each group of linears sharing an input, then quantize
-    with importance-weighted RTN (see :mod:`mlxspec.quant.awq`)."""
-    modules = dict(block.named_modules())
-    groups: dict[int, list[str]] = {}
-    for name in targets:
-        groups.setdefault(id(recorders[name].hessian), []).append(name)
-    x, args, kwargs = check
-    before = block(x, *args, **kwargs)
-    importance = {}  # each target's input energy per column, after the input is divided by s
-    for names in groups.values():
-        h = recorders[names[0]].hessian.matrix()
-        source, fold = recorders[names[0]].source, None
-        if source is not None:
-            fold = partial(awq.fold_into_norm, modules[source])
-        elif len(names) == 1 and names[0].endswith("down_proj"):
-            up = modules.get(names[0][: -len("down_proj")] + "up_proj")
-            fold = None if up is None else partial(awq.fold_into_rows, up)
-        importance.update({n: np.diag(h) for n in names})  # divided by s**2 if scaled below
-        if fold is None:
-            continue
-        specs = [plan[f"{prefix}.{n}"] for n in names]
-        weights = [np.array(targets[n].weight.astype(mx.float32)) for n in names]
-        bits, group_size = min(sp.bits for sp in specs), max(sp.group_size for sp in specs)
-        s, _, _ = awq.search_scales(weights, h, bits, group_size, format.dtype_name(dtype))
-        if not awq.scaling_helps(weights, h, s, bits, group_size, grid, format.dtype_name(dtype)):
-            continue
-        fold(s)
-        for n in names:
-            awq.scale_columns(targets[n], s)
-            importance[n] = importance[n] / s.astype(np.float64) ** 2
-    after = block(x, *args, **kwargs)
-    drift = (mx.linalg.norm((after - before).astype(mx.float32))
-             / mx.linalg.norm(before.astype(mx.float32))).item()
-    if not drift < 1e-2:
-        raise QuantizationError(
-            f"AWQ scaling changed the float outputs of {prefix} (relative {drift:.2g}): this "
-            "architecture is not supported by --method awq; use --method gptq"
-        )
-    quantized = {}
-    for name, module in targets.items():
-        spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
-        q, scales, zeros = rtn.quantize(w, spec.bits, spec.group_size, grid=grid,
-                                        importance=importance[name].astype(np.float32),
-                                        dtype=format.dtype_name(dtype))
-        quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                          group_size=spec.group_size, dtype=dtype)
-    return quantized
-
-
-def _calibrated_blocks(model, plan, calibration: mx.array, quantize_block, *, advance, **options):
+def _calibrated_blocks(model, plan, calibration: mx.array, method: BlockQuantizer, advance):
     """Quantize every planned linear inside the decoder blocks, block by block, with
-    ``quantize_block`` (:func:`_gptq_block` or :func:`_awq_block`) given each linear's Hessian."""
+    ``method`` (:class:`~mlxspec.quant.gptq.GPTQ` or :class:`~mlxspec.quant.awq.AWQ`) given
+    each linear's Hessian (:mod:`mlxspec.quant.calibrate`)."""
     if not isinstance(getattr(model, "layers", None), list):
         raise QuantizationError("calibrated methods need an mlx-lm model with decoder blocks "
                                 "(model.layers): use --method rtn")
@@ -305,7 +87,7 @@ def _calibrated_blocks(model, plan, calibration: mx.array, quantize_block, *, ad
               for i in range(0, calibration.shape[0], CALIBRATION_BATCH)]
     hidden, calls = [], None
     for chunk in chunks:
-        x, chunk_calls = _block_calls(model, chunk)
+        x, chunk_calls = block_inputs(model, chunk)
         mx.eval(x)
         hidden.append(x)
         calls = calls or chunk_calls
@@ -316,10 +98,10 @@ def _calibrated_blocks(model, plan, calibration: mx.array, quantize_block, *, ad
             name: module for name, module in block.named_modules()
             if plan.get(f"{prefix}.{name}") is not None and isinstance(module, nn.Linear)
         }
-        recorders = _record_block(block, targets, hidden, args, kwargs,
-                                  track_norms=quantize_block is _awq_block)
-        quantized = quantize_block(block, prefix, targets, recorders, plan,
-                                   check=(hidden[0], args, kwargs), **options)
+        recorders = record_block(block, targets, hidden, args, kwargs,
+                                 track_norms=method.needs_norms)
+        quantized = method.quantize_block(block, prefix, targets, recorders, plan,
+                                          check=(hidden[0], args, kwargs))
         replace_modules(block, quantized)
         for name in quantized:
             done.add(f"{prefix}.{name}")
@@ -386,9 +168,9 @@ def quantize_model(
     with _progress(len(todo), progress, f"quantizing ({method}, {bits}-bit)") as advance:
         done = set()
         if calibration is not None:
-            block_method = _gptq_block if method == "gptq" else _awq_block
-            done = _calibrated_blocks(model, plan, calibration, block_method, advance=advance,
-                                      act_order=act_order, damp=damp, grid=grid, dtype=dtype)
+            step = (gptq.GPTQ(act_order=act_order, damp=damp, grid=grid, dtype=dtype)
+                    if method == "gptq" else awq.AWQ(grid=grid, dtype=dtype))
+            done = _calibrated_blocks(model, plan, calibration, step, advance)
         for path in todo:
             if path not in done:
                 replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid, dtype)})

@@ -348,8 +348,28 @@ def _execute(command: list[str], timeout: float, what: str) -> subprocess.Comple
         raise EmulationError(f"{what} did not finish in {timeout} s") from e
 
 
+# Apple GPU limits a real launch fails on (MTLDevice maxThreadsPerThreadgroup and
+# maxThreadgroupMemoryLength on every Apple-silicon GPU).
+MAX_THREADS_PER_THREADGROUP = 1024
+MAX_THREADGROUP_MEMORY = 32 * 1024
+
+
+def check_limits(binary: Binary, launch: dict) -> None:
+    """Raise EmulationError where a Mac would refuse the launch: too many threads in a
+    threadgroup, or more threadgroup memory than the GPU has."""
+    threads = int(np.prod(launch["threadgroup"]))
+    if threads > MAX_THREADS_PER_THREADGROUP:
+        raise EmulationError(f"{binary.signature.function}: threadgroup of {threads} threads "
+                             f"exceeds the limit of {MAX_THREADS_PER_THREADGROUP}")
+    memory = sum(size for _, size in binary.statics)
+    if memory > MAX_THREADGROUP_MEMORY:
+        raise EmulationError(f"{binary.signature.function}: {memory} bytes of threadgroup memory "
+                             f"exceed the limit of {MAX_THREADGROUP_MEMORY}")
+
+
 def run(binary: Binary, launch: dict, timeout: float = 300) -> list[mx.array]:
     """Run ``binary`` with the arguments of a metal_kernel call; return its outputs."""
+    check_limits(binary, launch)
     inputs, shapes, dtypes = launch["inputs"], launch["output_shapes"], launch["output_dtypes"]
     buffers = [p for p in binary.signature.params if p.role != "attribute"]
     if len(buffers) != len(inputs) + len(shapes):
