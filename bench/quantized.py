@@ -9,7 +9,7 @@ side with mlx-lm's own affine quantization at the same bits.
   (``mlx_lm.utils.quantize_model``, float16 scales and biases as in an mlx-lm float16 model),
   mlxspec RTN, GPTQ and AWQ; plus the calibrated methods and mlx-lm with the ``embed8`` recipe. Each row: bits per
   weight, mean and p99 KL(reference || quantized) per token, same-top-1 agreement and perplexity
-  on held-out windows of the built-in evaluation text (``mlxspec.eval.compare``). The reference is
+  on held-out windows of the built-in evaluation text (``mlxspec.evaluation.compare``). The reference is
   the float32 model converted from GGUF. SmolLM2's 576-wide layers cannot take group size 128, so
   "g128" there means 128 where it divides the width and 64 elsewhere, for every method alike.
 - speed: decode tokens/s (mlx-lm's ``stream_generate``, medians of interleaved runs) of the float

@@ -113,7 +113,7 @@ def test_mlx_lm_generate_gives_mlxspec_greedy_tokens_in_the_chosen_dtype(saved, 
 @pytest.mark.slow
 def test_calibrated_quantization_beats_round_to_nearest(saved, float_model):
     # Same bits, group size, dtype and layout (so the same bits per weight); held-out text.
-    from mlxspec.eval import builtin_windows, compare
+    from mlxspec.evaluation import builtin_windows, compare
 
     reference, tokenizer = float_model
     windows = builtin_windows(tokenizer, windows=1, window_tokens=256)
