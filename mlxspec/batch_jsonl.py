@@ -20,17 +20,11 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.batch import choose_batch_size, iter_batch
-from mlxspec.engine import Engine, Request
+from mlxspec.engine import Engine, Request, chat_prompt
 from mlxspec.generate import encode_prompt
 
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": float, "temp": float, "top_p": float,
                    "top_k": int, "min_p": float, "seed": int}
-
-
-def _chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
-    # LEAD: replace with mlxspec.chat.chat_prompt(tokenizer, messages) at merge (core's one home
-    # of the chat template); the same function serves mlxspec.serve.
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
 def parse_line(
@@ -69,7 +63,7 @@ def _request(record: dict, tokenizer: TokenizerWrapper, defaults: dict[str, Any]
             raise ValueError("stop must be a string or a list of strings")
         settings["stop"] = tuple(stop)
     if isinstance(record.get("messages"), list) and record["messages"]:
-        prompt = _chat_prompt(tokenizer, record["messages"])
+        prompt = chat_prompt(tokenizer, record["messages"])
     elif isinstance(record.get("prompt"), str) and record["prompt"]:
         prompt = encode_prompt(tokenizer, record["prompt"]).tolist()
     else:

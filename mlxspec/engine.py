@@ -413,6 +413,13 @@ class Engine:
             self.prompt_cache.insert_cache(id(self.model), list(tokens), cache)
 
 
+def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the model's chat template and the generation prompt."""
+    # LEAD: at merge, delete this and import mlxspec.chat.chat_prompt (core's one home of the
+    # chat template) in mlxspec/openai_api.py and mlxspec/batch_jsonl.py, its two callers.
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
 def _trim_to(cache: list[Any], length: int) -> int:
     """Trim a KV cache to hold at most ``length`` tokens; returns how many it holds."""
     excess = cache[0].offset - length

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.engine import Event, Request
+from mlxspec.engine import Event, Request, chat_prompt
 from mlxspec.generate import encode_prompt
 
 MAX_STOP = 16  # stop strings per request
@@ -70,12 +70,6 @@ class Completion:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
 
-def _chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
-    # LEAD: replace with mlxspec.chat.chat_prompt(tokenizer, messages) at merge (core's one home
-    # of the chat template); mlxspec.batch_jsonl._chat_prompt is the other copy to replace.
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
@@ -121,7 +115,7 @@ def _prompt_ids(body: dict, kind: str, tokenizer: TokenizerWrapper) -> list[int]
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return encode_prompt(tokenizer, text).tolist()
         try:
-            return _chat_prompt(tokenizer, messages)
+            return chat_prompt(tokenizer, messages)
         except Exception as e:  # the template rejected the conversation (e.g. role order)
             raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from e
     prompt = body.get("prompt")
