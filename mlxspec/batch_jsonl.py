@@ -28,7 +28,6 @@ SAMPLING_FIELDS = {"max_tokens": int, "temperature": float, "temp": float, "top_
                    "top_k": int, "min_p": float, "seed": int}
 
 
-
 def parse_line(
     line: str, number: int, tokenizer: TokenizerWrapper, defaults: dict[str, Any]
 ) -> tuple[str, Request | Exception]:

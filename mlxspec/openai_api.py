@@ -71,7 +71,6 @@ class Completion:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
 
-
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
