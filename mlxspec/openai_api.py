@@ -193,7 +193,8 @@ def parse_completion(
         prompt=prompt,
         max_tokens=max_tokens,
         temp=_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        # top_p 0 means "no nucleus filter" to mlx_lm.server's clients (its sampler ignores it).
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         top_k=int(_number(body, "top_k", 0, 0, 1 << 20)),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         stop=tuple(stop),
