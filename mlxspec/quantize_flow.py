@@ -108,11 +108,11 @@ def quantize_to_dir(
         model loads.
     """
     from mlxspec.load import load, read_config, resolve_model_path
-    from mlxspec.quant import quantize as q
-    from mlxspec.quant.storage import quantization_record
+    from mlxspec.quant import calibrate, storage
+    from mlxspec.quant.quantize import CALIBRATED, quantize_model
 
     step = on_step or (lambda _name, _report: None)
-    _check_options(bits, group_size, method, output_format, act_order, q)
+    _check_options(bits, group_size, method, output_format, act_order)
     target_bpw = _auto_target(recipe, bits)
     if recipe is not None and target_bpw is None and not isinstance(recipe, dict):
         from mlxspec.quant.mixed import load_recipe
@@ -128,7 +128,7 @@ def quantize_to_dir(
     check_output_dir(out_dir, protected=protected, force=force)
     model_dir = resolve_model_path(model)
     config = read_config(model_dir)
-    if quantization_record(config) is not None:
+    if storage.quantization_record(config) is not None:
         raise QuantizationError(
             f"{model_dir} is already quantized: quantize its unquantized source instead"
         )
@@ -145,11 +145,11 @@ def quantize_to_dir(
     nn_model, tokenizer = load(str(model_dir))
     extra: dict[str, Any] = {"source_model": report.source}
     tokens = None
-    if method in q.CALIBRATED:
-        tokens, sha256 = q.calibration_windows(
+    if method in CALIBRATED:
+        tokens, sha256 = calibrate.calibration_windows(
             tokenizer, calibration,
-            windows=calibration_windows or q.DEFAULT_CALIBRATION_WINDOWS,
-            window_tokens=calibration_tokens or q.DEFAULT_CALIBRATION_TOKENS,
+            windows=calibration_windows or calibrate.DEFAULT_CALIBRATION_WINDOWS,
+            window_tokens=calibration_tokens or calibrate.DEFAULT_CALIBRATION_TOKENS,
         )
         extra.update(
             calibration_sha256=sha256,
@@ -160,18 +160,18 @@ def quantize_to_dir(
     if target_bpw is not None:
         from mlxspec.quant.mixed import sensitivity_recipe
 
-        probe, _ = q.calibration_windows(tokenizer, calibration, windows=2, window_tokens=128)
+        probe, _ = calibrate.calibration_windows(tokenizer, calibration, windows=2, window_tokens=128)
         recipe = sensitivity_recipe(nn_model, probe, bits=bits, group_size=group_size,
                                     target_bpw=target_bpw, group_fallback=group_fallback)
         extra["sensitivity"] = recipe["sensitivity"]
         report.mixed = recipe["description"]
-    nn_model, report.quantization = q.quantize_model(
+    nn_model, report.quantization = quantize_model(
         nn_model, bits=bits, group_size=group_size, method=method, calibration_tokens=tokens,
         recipe=recipe, act_order=act_order, group_fallback=group_fallback, progress=progress,
         **({"dtype": dtype} if dtype is not None else {}),
     )
     step("quantized", report)
-    q.save_quantized(nn_model, out, config=config, quantization=report.quantization,
+    storage.save_quantized(nn_model, out, config=config, quantization=report.quantization,
                      source_dir=model_dir, output_format=output_format, force=force, extra=extra)
     del nn_model  # the gate loads the model back from disk: what is judged is what was written
     report.weight_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
@@ -271,13 +271,15 @@ def _written_by_mlxspec(path: Path) -> bool:
     return isinstance(quantization, dict) and "mlxspec_version" in quantization
 
 
-def _check_options(bits, group_size, method, output_format, act_order, q) -> None:
+def _check_options(bits, group_size, method, output_format, act_order) -> None:
     from mlxspec.quant import format
+    from mlxspec.quant.quantize import METHODS
+    from mlxspec.quant.storage import FORMATS
 
     format.check_spec(bits, group_size, group_size)
-    if method not in q.METHODS:
-        raise QuantizationError(f"unknown method {method!r}: choose {', '.join(q.METHODS)}")
-    if output_format not in q.FORMATS:
+    if method not in METHODS:
+        raise QuantizationError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
+    if output_format not in FORMATS:
         raise QuantizationError(f"unknown format {output_format!r}: choose zp or mlx")
     if act_order and output_format == "mlx":
         raise QuantizationError("--act-order needs --format zp: MLX's affine format cannot "
