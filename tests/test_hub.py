@@ -218,7 +218,9 @@ def test_quantize_upload_download_round_trip(models, hub_env, tmp_path):
     assert result.exit_code == 0, result.output
     assert "quality gate: PASS" in result.output and "uploaded" in result.output
     _, body = _card(hub_env, "me/tiny-q4")
-    assert "| method | gptq |" in body and "mlxspec zero-point `zp`" in body
+    # The default format is MLX's exact affine layout: the card says plain mlx-lm loads it.
+    assert "| method | gptq |" in body and "| format | mlx-lm affine" in body
+    assert "## Use with mlx-lm" in body
     assert "Quality gate: **PASS" in body
 
     script = (
