@@ -13,6 +13,7 @@ name and renamed at the end.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -107,7 +108,7 @@ def quantize_to_dir(
         QuantizationError, OutputExistsError, EvaluationError, ...: every input error before the
         model loads.
     """
-    from mlxspec.load import load, read_config, resolve_model_path
+    from mlxspec.load import default_model_path, load, read_config, resolve_model_path
     from mlxspec.quant import calibrate, storage
     from mlxspec.quant.quantize import CALIBRATED, quantize_model
 
@@ -126,6 +127,12 @@ def quantize_to_dir(
     protected = [(what, Path(spec)) for what, spec in given
                  if spec is not None and spec != "default" and Path(spec).expanduser().exists()]
     check_output_dir(out_dir, protected=protected, force=force)
+    # Room for the weights is checked now too when the source is local (a .gguf is sized from
+    # its header), so a full disk fails before a GGUF is converted.
+    local_source = default_model_path() if model in (None, "default") else Path(model).expanduser()
+    if local_source.exists():
+        check_output_dir(out_dir, protected=protected, force=force,
+                         needed_bytes=_weight_count(local_source) * bits // 8)
     model_dir = resolve_model_path(model)
     config = read_config(model_dir)
     if storage.quantization_record(config) is not None:
@@ -314,7 +321,16 @@ def _source_name(model: ModelSpec) -> str:
 
 
 def _weight_count(model_dir: Path) -> int:
-    """Number of weights in the safetensors of ``model_dir`` (read from their headers)."""
+    """Number of weights in the safetensors of ``model_dir`` or in a ``.gguf`` file (read from
+    their headers)."""
+    if model_dir.is_file() and model_dir.suffix == ".gguf":
+        from mlxspec.errors import MlxspecError
+        from mlxspec.gguf_reader import read_gguf
+
+        try:
+            return sum(math.prod(t.shape) for t in read_gguf(model_dir).tensors.values())
+        except MlxspecError:
+            return 0  # a damaged file: its conversion names the problem
     count = 0
     for path in model_dir.glob("*.safetensors"):
         try:

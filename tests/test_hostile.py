@@ -955,6 +955,20 @@ def test_flows_hostile_input_is_refused_before_the_slow_work(world, case):
     assert snapshot(world.root) == before
 
 
+def test_quantize_to_a_full_disk_is_refused_before_the_slow_work(world, monkeypatch):
+    """A destination without room for the weights fails at once (before converting the GGUF
+    source or loading anything), and nothing is written."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    source = _gguf_source(world)
+    before = snapshot(world.root)
+    result = run(["quantize", source, "--out", world.root / "q4"])
+    assert_one_error_line(result, "free")
+    assert snapshot(world.root) == before
+
 
 def test_ctrl_c_stops_a_long_prefill_within_seconds():
     """A 200k-character prompt through an explicit --max-kv-size window: prefill runs in chunks
