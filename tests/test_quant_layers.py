@@ -431,3 +431,33 @@ def test_untied_embedding_lookups_never_make_a_dense_copy(monkeypatch):
     assert layers._dense_bytes == before and emb._cache.dense is None
     emb.as_linear(mx.zeros((1, 64)))  # the tied head is a matmul: the dense copy is allowed
     assert layers._dense_bytes == before + 4 * 40 * 64
+
+
+def test_the_quant_package_has_no_import_cycle_and_never_imports_upper_layers():
+    # Every import, lazy ones inside functions included: a lazy import dodging a cycle is a cycle.
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "mlxspec"
+    files = {f"mlxspec.quant.{p.stem}": p for p in (root / "quant").glob("*.py")}
+    files["mlxspec.gguf_quant"] = root / "gguf_quant.py"
+    graph = {}
+    for name, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        upper = {m for m in imported if m.split(".")[:2] in (
+            ["mlxspec", "load"], ["mlxspec", "eval"], ["mlxspec", "hub"], ["mlxspec", "generate"],
+            ["mlxspec", "cli"], ["mlxspec", "gguf"])}
+        assert not upper, f"{name} imports {upper}"
+        graph[name] = {m for m in imported if m in files and m != name}
+
+    def visit(node, path):
+        assert node not in path, f"import cycle: {' -> '.join([*path, node])}"
+        for child in graph[node]:
+            visit(child, [*path, node])
+
+    for name in graph:
+        visit(name, [])

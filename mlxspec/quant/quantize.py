@@ -28,6 +28,7 @@ plans, walks the blocks and records what was done.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -192,9 +193,7 @@ def quantize_model(
         },
         "bits_per_weight": round(bits_per_weight(model), 4),
     }
-    from mlxspec import __version__
-
-    quantization["mlxspec_version"] = __version__
+    quantization["mlxspec_version"] = version("mlxspec")
     return model, quantization
 
 
