@@ -98,7 +98,7 @@ def test_mlx_lm_generate_gives_mlxspec_greedy_tokens_in_the_chosen_dtype(saved, 
 
     from mlxspec.generate import generate
 
-    tokens = 4
+    tokens = 4 if "smollm2" in saved["dir"].name else 2  # Gemma-3's 262k-row head is slow here
     model, tokenizer = mlx_lm.load(str(saved["dir"]))
     cache = make_prompt_cache(model)
     theirs = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=tokens, prompt_cache=cache)
