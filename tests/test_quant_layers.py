@@ -366,13 +366,18 @@ def test_default_output_has_mlx_lm_layout_and_bits_per_weight(tiny_dir, tmp_path
     from mlx_lm.utils import compute_bits_per_weight, load_model
     from mlx_lm.utils import quantize_model as mlx_lm_quantize
 
+    from mlxspec.quant.storage import mlx_lm_loadable
+
     model, _ = load(str(tiny_dir))
     config = json.loads((tiny_dir / "config.json").read_text())
     _, record = quantize_model(model, bits=4, group_size=32, dtype=dtype)
     out = save_quantized(model, tmp_path / "q", config=config, quantization=record,
                          source_dir=tiny_dir)
-    saved = json.loads((out / "config.json").read_text())["quantization"]
+    config_saved = json.loads((out / "config.json").read_text())
+    saved = config_saved["quantization"]
     assert saved["format"] == "mlx" and saved["exact"] == dtype and saved["mode"] == "affine"
+    loadable, why = mlx_lm_loadable(config_saved)  # what the Hub card says
+    assert loadable and f"{dtype} scales and biases" in why and "bit for bit" in why
     ours, _ = load_model(out)  # plain mlx-lm
     theirs, _ = load_model(tiny_dir)
     theirs.set_dtype(getattr(mx, dtype))
