@@ -27,6 +27,7 @@ matrix through OpenBLAS is faster, so the GGUF is dequantized there. ``MLXSPEC_G
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,21 @@ def import_mode() -> str:
     if value != "auto":
         return value
     return "quantized" if mx.metal.is_available() else "dense"
+
+
+@contextlib.contextmanager
+def dense_conversion():
+    """Within the block, GGUF files convert to dense float weights whatever the device: for
+    flows that need a float source (``mlxspec quantize model.gguf`` on a Mac)."""
+    saved = os.environ.get(MODE_ENV)
+    os.environ[MODE_ENV] = "dense"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(MODE_ENV, None)
+        else:
+            os.environ[MODE_ENV] = saved
 
 
 def describe() -> str:

@@ -77,6 +77,9 @@ def test_the_import_mode_follows_the_device_and_the_override(monkeypatch):
         assert gguf_quant.import_mode() == mode and mode in gguf_quant.describe()
         keys.add(gguf_cache_key(path))
     assert len(keys) == 2  # a dense conversion is never reused as a quantized one
+    with gguf_quant.dense_conversion():  # quantize needs a float source on every device
+        assert gguf_quant.import_mode() == "dense"
+    assert gguf_quant.import_mode() == "quantized"
     monkeypatch.setenv(gguf_quant.MODE_ENV, "fast")
     with pytest.raises(UnsupportedModelError, match="auto, dense or quantized"):
         gguf_quant.import_mode()
