@@ -153,9 +153,13 @@ struct Monitor {
   std::condition_variable cv;
   int threads = 0, exited = 0, at_barrier = 0;
   std::vector<int> state, line;
+  // Each lane's call path to its simd operation (the code address of the call and of its caller):
+  // two divergent branches calling one helper reach the same line by different paths.
+  std::vector<std::pair<const void*, const void*>> site;
   std::vector<Simdgroup> simd;
 
-  explicit Monitor(int n) : threads(n), state(n, RUNNING), line(n, 0), simd((n + 31) / 32) {
+  explicit Monitor(int n)
+      : threads(n), state(n, RUNNING), line(n, 0), site(n), simd((n + 31) / 32) {
     for (int s = 0; s < int(simd.size()); s++) {
       simd[s].first = 32 * s;
       simd[s].count = std::min(32, n - 32 * s);
@@ -166,7 +170,7 @@ struct Monitor {
   void progress() {
     bool released = false;
     for (auto& sg : simd) {
-      int live = 0, waiting = 0, at_line = -1, at_kind = -1;
+      int live = 0, waiting = 0, at_line = -1, at_kind = -1, first = -1;
       uint32_t active = 0;
       for (int l = 0; l < sg.count; l++) {
         int t = sg.first + l;
@@ -178,9 +182,14 @@ struct Monitor {
         if (at_line < 0) {
           at_line = line[t];
           at_kind = sg.lanes[l].kind;
+          first = t;
         } else if (line[t] != at_line || sg.lanes[l].kind != at_kind) {
           fail("simdgroup %d: lanes reached different simd operations (lines %d and %d)",
                int(&sg - simd.data()), at_line, line[t]);
+        } else if (site[t] != site[first]) {
+          fail("simdgroup %d: lanes reached different simd operations (line %d by different "
+               "call paths: divergent branches calling one helper)",
+               int(&sg - simd.data()), at_line);
         }
       }
       if (live > 0 && waiting == live) {
@@ -333,7 +342,7 @@ void combine(int kind, Lane* lanes, uint32_t active) {
 }
 
 template <class V>
-V simd_op(int kind, V value, int arg, int at_line) {
+__attribute__((noinline)) V simd_op(int kind, V value, int arg, int at_line) {
   static_assert(sizeof(V) <= 32, "simd value too large");
   Monitor& m = *context.monitor;
   std::unique_lock<std::mutex> lock(m.mu);
@@ -347,6 +356,7 @@ V simd_op(int kind, V value, int arg, int at_line) {
   sg.combine = &combine<V>;
   m.state[t] = AT_SIMD;
   m.line[t] = at_line;
+  m.site[t] = {__builtin_return_address(0), __builtin_return_address(1)};
   m.progress();
   m.wait_until_released(lock, t);
   V result;
@@ -371,52 +381,52 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
 inline void threadgroup_barrier(mem_flags, int line = __builtin_LINE()) { EMU_BARRIER(line); }
-inline void simdgroup_barrier(mem_flags, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline void simdgroup_barrier(mem_flags, int line = __builtin_LINE()) {
   (void)EMU_SIMD_OP(SIMD_BARRIER, 0, 0, line);
 }
 
 template <class V>
-V simd_sum(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(SUM, v, 0, line); }
+__attribute__((always_inline)) inline V simd_sum(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(SUM, v, 0, line); }
 template <class V>
-V simd_product(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(PRODUCT, v, 0, line); }
+__attribute__((always_inline)) inline V simd_product(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(PRODUCT, v, 0, line); }
 template <class V>
-V simd_max(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MAX, v, 0, line); }
+__attribute__((always_inline)) inline V simd_max(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MAX, v, 0, line); }
 template <class V>
-V simd_min(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MIN, v, 0, line); }
+__attribute__((always_inline)) inline V simd_min(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MIN, v, 0, line); }
 template <class V>
-V simd_prefix_exclusive_sum(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_prefix_exclusive_sum(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(PREFIX_EXCLUSIVE_SUM, v, 0, line);
 }
 template <class V>
-V simd_prefix_inclusive_sum(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_prefix_inclusive_sum(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(PREFIX_INCLUSIVE_SUM, v, 0, line);
 }
 template <class V>
-V simd_shuffle(V v, ushort lane, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle(V v, ushort lane, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE, v, lane, line);
 }
 template <class V>
-V simd_broadcast(V v, ushort lane, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_broadcast(V v, ushort lane, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE, v, lane, line);
 }
 template <class V>
-V simd_shuffle_xor(V v, ushort mask, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_xor(V v, ushort mask, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_XOR, v, mask, line);
 }
 template <class V>
-V simd_shuffle_down(V v, ushort delta, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_down(V v, ushort delta, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_DOWN, v, delta, line);
 }
 template <class V>
-V simd_shuffle_up(V v, ushort delta, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_up(V v, ushort delta, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_UP, v, delta, line);
 }
 template <class V>
-V simd_broadcast_first(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_broadcast_first(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(BROADCAST_FIRST, v, 0, line);
 }
-inline bool simd_all(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ALL, v, 0, line); }
-inline bool simd_any(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ANY, v, 0, line); }
+__attribute__((always_inline)) inline bool simd_all(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ALL, v, 0, line); }
+__attribute__((always_inline)) inline bool simd_any(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ANY, v, 0, line); }
 
 template <class T>
 struct numeric_limits : std::numeric_limits<T> {};
