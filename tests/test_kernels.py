@@ -484,6 +484,17 @@ def test_emulator_reports_lanes_at_different_simd_operations():
 
 
 @needs_gxx
+def test_a_barrier_without_mem_threadgroup_cannot_exchange_threadgroup_data():
+    # zp_qmm stages x in threadgroup memory; mem_none orders execution, not memory.
+    edit = replacing("zp_qmm.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);",
+                     "threadgroup_barrier(mem_flags::mem_none);")
+    layer, _ = make_layer(33, 576, 4, 64)
+    x, _ = make_input((3, 576), mx.float16)
+    with pytest.raises(EmulationError, match="lacks mem_flags::mem_threadgroup"):
+        emulate_matmul(x, layer, 4, 64, edit=edit)
+
+
+@needs_gxx
 def test_emulator_keeps_divergent_calls_of_one_simd_helper_apart():
     # Both branches reach simd_sum at the same line (inside the helper): on a GPU each branch
     # sums only its own 16 lanes; an emulator merging them would sum all 32 and pass.

@@ -152,6 +152,7 @@ struct Monitor {
   std::mutex mu;
   std::condition_variable cv;
   int threads = 0, exited = 0, at_barrier = 0;
+  bool shared_memory = false;  // the kernel has threadgroup variables
   std::vector<int> state, line;
   // Each lane's call path to its simd operation (the code address of the call and of its caller):
   // two divergent branches calling one helper reach the same line by different paths.
@@ -250,8 +251,14 @@ struct ThreadContext {
 };
 inline thread_local ThreadContext context;
 
-inline void barrier(int at_line) {
+inline void barrier(int at_line, int flags = 2) {
   Monitor& m = *context.monitor;
+  if (m.shared_memory && !(flags & 2)) {
+    // Without mem_threadgroup the barrier orders execution only: threadgroup memory written
+    // before it need not be visible after it (the emulator's mutex would make it so).
+    fail("threadgroup_barrier at line %d lacks mem_flags::mem_threadgroup, but the kernel "
+         "exchanges data through threadgroup memory", at_line);
+  }
   std::unique_lock<std::mutex> lock(m.mu);
   int t = context.index;
   m.state[t] = AT_BARRIER;
@@ -367,10 +374,10 @@ __attribute__((noinline)) V simd_op(int kind, V value, int arg, int at_line) {
 }  // namespace emu
 #include "emu_driver.h"
 #define EMU_SIMD_OP(kind, v, arg, line) ::emu::simd_op(::emu::kind, v, int(arg), line)
-#define EMU_BARRIER(line) ::emu::barrier(line)
+#define EMU_BARRIER(line, flags) ::emu::barrier(line, flags)
 #else
 #define EMU_SIMD_OP(kind, v, arg, line) (v)
-#define EMU_BARRIER(line) ((void)(line))
+#define EMU_BARRIER(line, flags) ((void)(line))
 #endif  // EMU_ADDRESS_SPACES
 
 // ---------------------------------------------------------------------------------------------
@@ -380,7 +387,9 @@ namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-inline void threadgroup_barrier(mem_flags, int line = __builtin_LINE()) { EMU_BARRIER(line); }
+inline void threadgroup_barrier(mem_flags flags, int line = __builtin_LINE()) {
+  EMU_BARRIER(line, int(flags));
+}
 __attribute__((always_inline)) inline void simdgroup_barrier(mem_flags, int line = __builtin_LINE()) {
   (void)EMU_SIMD_OP(SIMD_BARRIER, 0, 0, line);
 }
