@@ -207,7 +207,7 @@ def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_
                  if tool == "gptq" else ["--embed-bits", str(bits),
                                          "--embed-group-size", str(group_size)])
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", f"mlx_lm.{tool}", "--model", str(source),
+        subprocess.run([sys.executable, "-m", f"mlx_lm.quant.{tool}", "--model", str(source),
                         "--mlx-path", str(out), "--bits", str(bits), "--group-size",
                         str(group_size), *extra], check=True)
         seconds = time.perf_counter() - start

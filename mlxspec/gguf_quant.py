@@ -15,9 +15,11 @@ Q5_0's 5th bit of weight ``j`` is bit ``j`` of the little-endian uint32 ``qh``. 
 Q8_0 have an integer zero-point (8, 16, 128), so mlxspec also runs them with its zero-point layers
 (:func:`mlxspec.quant.storage.adopt_zero_points`); Q4_1's float minimum stays MLX affine.
 
-K-quants are dequantized (as before), and the conversion says so in ``config.json``
-(``quantization.dequantized``): Q6_K's 16-weight sub-blocks have no MLX group size, and Q4_K/Q5_K
-would need float32 scales (6+ bits per weight, more than the float it saves on a CPU).
+Q4_K (super-blocks of 256: float16 ``d``, ``dmin``, eight 6-bit sub-block scales ``sc`` and minima
+``m``) is MLX affine at group 32 with **float32** scales ``d * sc`` and biases ``-dmin * m`` (both
+exact in float32: 11 + 6 significant bits), 6 bits per weight instead of GGUF's 4.5: still exact.
+Other K-quants are dequantized, and the conversion says so in ``config.json``
+(``quantization.dequantized``): Q6_K's 16-weight sub-blocks have no MLX group size.
 
 Where quantized weights pay depends on the device (:func:`import_mode`): on Metal the quantized
 matmuls are the fast path; on a CPU MLX's quantized matmul does not use BLAS and a dense float32
@@ -27,6 +29,7 @@ matrix through OpenBLAS is faster, so the GGUF is dequantized there. ``MLXSPEC_G
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,13 +38,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import Q4_K as GGUFQ4K
 
 from mlxspec.errors import UnsupportedModelError
 from mlxspec.quant import format
 
 MODE_ENV = "MLXSPEC_GGUF_WEIGHTS"  # "auto" (default), "dense" or "quantized"
 GROUP_SIZE = 32
-IMPORTED = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q8_0: 8}  # block type -> bits
+IMPORTED = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q8_0: 8, Q.Q4_K: 4}  # block type -> bits
 
 
 def import_mode() -> str:
@@ -54,6 +58,21 @@ def import_mode() -> str:
     if value != "auto":
         return value
     return "quantized" if mx.metal.is_available() else "dense"
+
+
+@contextlib.contextmanager
+def dense_conversion():
+    """Within the block, GGUF files convert to dense float weights whatever the device: for
+    flows that need a float source (``mlxspec quantize model.gguf`` on a Mac)."""
+    saved = os.environ.get(MODE_ENV)
+    os.environ[MODE_ENV] = "dense"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(MODE_ENV, None)
+        else:
+            os.environ[MODE_ENV] = saved
 
 
 def describe() -> str:
@@ -91,7 +110,8 @@ def affine_arrays(qtype: Q, raw: np.ndarray, shape: tuple[int, int]) -> dict[str
 
     Returns:
         ``{"weight": uint32 (rows, columns * bits / 32), "scales": float16 (rows, columns / 32),
-        "biases": float16 (rows, columns / 32)}`` with ``w = scales * q + biases`` per group.
+        "biases": float16 (rows, columns / 32)}`` (float32 scales and biases for Q4_K) with
+        ``w = scales * q + biases`` per group.
     """
     rows, cols = shape
     if qtype == Q.Q4_0:
@@ -113,13 +133,24 @@ def affine_arrays(qtype: Q, raw: np.ndarray, shape: tuple[int, int]) -> dict[str
         d = _f16(b[..., 0:2])
         q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         biases = d * np.float16(-128)
+    elif qtype == Q.Q4_K:
+        b = _blocks(raw, rows, 144)  # d, dmin, 12 bytes of 6-bit sc/m, 128 bytes of nibbles
+        d, dmin = _f16(b[..., 0:2]).astype(np.float32), _f16(b[..., 2:4]).astype(np.float32)
+        sc, m = GGUFQ4K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+        d = d[..., None] * sc.reshape(*d.shape, 8).astype(np.float32)  # (rows, blocks, 8)
+        biases = -(dmin[..., None] * m.reshape(*dmin.shape, 8).astype(np.float32))
+        # 32 bytes hold sub-block 2j (low nibbles) and 2j + 1 (high nibbles)
+        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        q = qs & 0xF
     else:
         raise UnsupportedModelError(f"GGUF type {qtype.name} has no exact MLX layout")
     bits = IMPORTED[qtype]
+    half = qtype != Q.Q4_K  # the GGUF's own float16 numbers; Q4_K's products need float32
     return {
         "weight": format.pack(q.reshape(rows, cols), bits),
-        "scales": np.ascontiguousarray(d),
-        "biases": np.ascontiguousarray(biases.astype(np.float16)),
+        "scales": np.ascontiguousarray(d.reshape(rows, -1)),
+        "biases": np.ascontiguousarray(biases.reshape(rows, -1).astype(
+            np.float16 if half else np.float32)),
     }
 
 

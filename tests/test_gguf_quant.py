@@ -20,7 +20,8 @@ from mlxspec.load import default_model_path
 
 def assert_mlx_dequantizes_to_the_gguf_reference(qtype, raw, shape, reference):
     arrays = gguf_quant.affine_arrays(qtype, raw, shape)
-    assert arrays["scales"].dtype == arrays["biases"].dtype == np.float16
+    half = np.float32 if qtype == Q.Q4_K else np.float16
+    assert arrays["scales"].dtype == arrays["biases"].dtype == half
     bits = gguf_quant.IMPORTED[qtype]
     # float32 arithmetic, as llama.cpp's dequantization and MLX's matmuls with float32 inputs
     got = mx.dequantize(mx.array(arrays["weight"]), mx.array(arrays["scales"]).astype(mx.float32),
@@ -39,16 +40,16 @@ def test_real_q4_1_and_q8_0_tensors_of_smollm2_import_bit_exact():
 
 
 @pytest.mark.slow
-def test_real_q5_0_and_q8_0_tensors_of_gemma3_import_bit_exact(gemma3_gguf):
+def test_real_q5_0_q8_0_and_q4_k_tensors_of_gemma3_import_bit_exact(gemma3_gguf):
     gguf = read_gguf(gemma3_gguf)
     seen = set()
     for t in gguf.tensors.values():
-        if t.qtype in (Q.Q5_0, Q.Q8_0) and t.qtype not in seen and len(t.shape) == 2:
+        if t.qtype in (Q.Q5_0, Q.Q8_0, Q.Q4_K) and t.qtype not in seen and len(t.shape) == 2:
             seen.add(t.qtype)
             rows = slice(0, 1024)
             assert_mlx_dequantizes_to_the_gguf_reference(
                 t.qtype, t.raw[rows], (min(t.shape[0], 1024), t.shape[1]), t.dequantize()[rows])
-    assert seen == {Q.Q5_0, Q.Q8_0}
+    assert seen == {Q.Q5_0, Q.Q8_0, Q.Q4_K}
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0])
@@ -77,6 +78,9 @@ def test_the_import_mode_follows_the_device_and_the_override(monkeypatch):
         assert gguf_quant.import_mode() == mode and mode in gguf_quant.describe()
         keys.add(gguf_cache_key(path))
     assert len(keys) == 2  # a dense conversion is never reused as a quantized one
+    with gguf_quant.dense_conversion():  # quantize needs a float source on every device
+        assert gguf_quant.import_mode() == "dense"
+    assert gguf_quant.import_mode() == "quantized"
     monkeypatch.setenv(gguf_quant.MODE_ENV, "fast")
     with pytest.raises(UnsupportedModelError, match="auto, dense or quantized"):
         gguf_quant.import_mode()

@@ -483,6 +483,40 @@ def test_emulator_reports_lanes_at_different_simd_operations():
         emulator.run(binary, launch)
 
 
+@needs_gxx
+def test_a_barrier_without_mem_threadgroup_cannot_exchange_threadgroup_data():
+    # zp_qmm stages x in threadgroup memory; mem_none orders execution, not memory.
+    edit = replacing("zp_qmm.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);",
+                     "threadgroup_barrier(mem_flags::mem_none);")
+    layer, _ = make_layer(33, 576, 4, 64)
+    x, _ = make_input((3, 576), mx.float16)
+    with pytest.raises(EmulationError, match="lacks mem_flags::mem_threadgroup"):
+        emulate_matmul(x, layer, 4, 64, edit=edit)
+
+
+@needs_gxx
+def test_emulator_keeps_divergent_calls_of_one_simd_helper_apart():
+    # Both branches reach simd_sum at the same line (inside the helper): on a GPU each branch
+    # sums only its own 16 lanes; an emulator merging them would sum all 32 and pass.
+    header = "float total(float v) { return simd_sum(v); }\n"
+    source = """
+    float v = x[thread_position_in_grid.x];
+    if (thread_index_in_simdgroup < 16) {
+      v = total(v) + 1.0f;
+    } else {
+      v = total(v) - 1.0f;
+    }
+    out[thread_position_in_grid.x] = v;
+    """
+    kernel = mx.fast.metal_kernel(name="emu_divergent_helper", input_names=["x"],
+                                  output_names=["out"], source=source, header=header)
+    launch = dict(inputs=[mx.zeros((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                  output_shapes=[(32,)], output_dtypes=[mx.float32])
+    binary = emulator.build(emulator.generated_source(kernel, launch))
+    with pytest.raises(EmulationError, match="different call paths"):
+        emulator.run(binary, launch)
+
+
 # --------------------------------------------------------------------------------------------
 # The Mac-only entry points, run here with the kernels replaced by the fallback (plumbing only:
 # on a Mac the same code runs the real kernels).

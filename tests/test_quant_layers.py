@@ -366,13 +366,18 @@ def test_default_output_has_mlx_lm_layout_and_bits_per_weight(tiny_dir, tmp_path
     from mlx_lm.utils import compute_bits_per_weight, load_model
     from mlx_lm.utils import quantize_model as mlx_lm_quantize
 
+    from mlxspec.quant.storage import mlx_lm_loadable
+
     model, _ = load(str(tiny_dir))
     config = json.loads((tiny_dir / "config.json").read_text())
     _, record = quantize_model(model, bits=4, group_size=32, dtype=dtype)
     out = save_quantized(model, tmp_path / "q", config=config, quantization=record,
                          source_dir=tiny_dir)
-    saved = json.loads((out / "config.json").read_text())["quantization"]
+    config_saved = json.loads((out / "config.json").read_text())
+    saved = config_saved["quantization"]
     assert saved["format"] == "mlx" and saved["exact"] == dtype and saved["mode"] == "affine"
+    loadable, why = mlx_lm_loadable(config_saved)  # what the Hub card says
+    assert loadable and f"{dtype} scales and biases" in why and "bit for bit" in why
     ours, _ = load_model(out)  # plain mlx-lm
     theirs, _ = load_model(tiny_dir)
     theirs.set_dtype(getattr(mx, dtype))
@@ -431,3 +436,33 @@ def test_untied_embedding_lookups_never_make_a_dense_copy(monkeypatch):
     assert layers._dense_bytes == before and emb._cache.dense is None
     emb.as_linear(mx.zeros((1, 64)))  # the tied head is a matmul: the dense copy is allowed
     assert layers._dense_bytes == before + 4 * 40 * 64
+
+
+def test_the_quant_package_has_no_import_cycle_and_never_imports_upper_layers():
+    # Every import, lazy ones inside functions included: a lazy import dodging a cycle is a cycle.
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "mlxspec"
+    files = {f"mlxspec.quant.{p.stem}": p for p in (root / "quant").glob("*.py")}
+    files["mlxspec.gguf_quant"] = root / "gguf_quant.py"
+    graph = {}
+    for name, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        upper = {m for m in imported if m.split(".")[:2] in (
+            ["mlxspec", "load"], ["mlxspec", "eval"], ["mlxspec", "hub"], ["mlxspec", "generate"],
+            ["mlxspec", "cli"], ["mlxspec", "gguf"])}
+        assert not upper, f"{name} imports {upper}"
+        graph[name] = {m for m in imported if m in files and m != name}
+
+    def visit(node, path):
+        assert node not in path, f"import cycle: {' -> '.join([*path, node])}"
+        for child in graph[node]:
+            visit(child, [*path, node])
+
+    for name in graph:
+        visit(name, [])

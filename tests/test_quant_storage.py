@@ -36,7 +36,8 @@ def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
     ``s * (q - z)`` per path (float64 numpy) and the record."""
     model, tokenizer = load(str(source))
     calibration, _ = calibration_windows(tokenizer, windows=4, window_tokens=64)
-    _, record = quantize_model(model, bits=4, group_size=64, method=method, dtype=dtype,
+    # grid=1: min-max rounding after the calibrated step (the clip search only costs time here)
+    _, record = quantize_model(model, bits=4, group_size=64, method=method, dtype=dtype, grid=1,
                                calibration_tokens=calibration, group_fallback=True)
     reference = {}
     for path, layer in layers.zero_point_modules(model).items():
@@ -98,7 +99,7 @@ def test_mlx_lm_generate_gives_mlxspec_greedy_tokens_in_the_chosen_dtype(saved, 
 
     from mlxspec.generate import generate
 
-    tokens = 4
+    tokens = 3 if "smollm2" in saved["dir"].name else 2  # Gemma-3's 262k-row head is slow here
     model, tokenizer = mlx_lm.load(str(saved["dir"]))
     cache = make_prompt_cache(model)
     theirs = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=tokens, prompt_cache=cache)

@@ -1,9 +1,11 @@
-"""Zero-point weight quantization: the format (``format``), the kernels and their fallback
-(``kernels``), the quantizers (``rtn``, ``gptq``, ``awq``), mixed precision (``mixed``), the layers
-(``layers``), whole-model quantization (``quantize``) and files (``storage``):
+"""Weight quantization: the format (``format``: w = s * (q - z), exact in MLX's affine layout),
+the kernels and their fallback (``kernels``; on-device checks in ``kernel_check``), the quantizers
+(``rtn``, ``gptq``, ``awq``) and their calibration (``calibrate``), mixed precision (``mixed``),
+the layers (``layers``), the driver (``quantize``) and files (``storage``):
 
     from mlxspec.quant import quantize_model, save_quantized
-    model, quantization = quantize_model(model, bits=4, group_size=64)
+    model, quantization = quantize_model(model, bits=4, group_size=64, dtype="float16")
+    save_quantized(model, "out", config=config, quantization=quantization)  # plain mlx-lm loads it
 """
 
 _API = ("quantize_model", "save_quantized", "calibration_windows")

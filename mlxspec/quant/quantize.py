@@ -28,6 +28,7 @@ plans, walks the blocks and records what was done.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def quantize_model(
     act_order: bool = False,
     group_fallback: bool = False,
     damp: float = gptq.DEFAULT_DAMP,
-    grid: int = rtn.DEFAULT_GRID,
+    grid: int | None = None,
     dtype: str | mx.Dtype | None = None,
     progress: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -137,7 +138,9 @@ def quantize_model(
         act_order: GPTQ visits columns by decreasing activation (stored with ``perm``; zp only).
         group_fallback: layers whose input size ``group_size`` does not divide use the largest
             supported group size that does, instead of an error.
-        grid: clipping ratios tried per group (1 = min-max).
+        grid: clipping ratios tried per group (1 = min-max); default 1 for rtn and gptq, 10 for
+            awq (whose search is weighted by the activations; see :mod:`mlxspec.quant.rtn` and
+            :data:`mlxspec.quant.awq.DEFAULT_GRID` for the measurements).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of the scales and of
             every unquantized parameter (so of activations and KV cache); default the model's.
             Scales are chosen exact in it (:mod:`mlxspec.quant.format`), so
@@ -154,6 +157,8 @@ def quantize_model(
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     format.check_spec(bits, group_size, group_size)
+    if grid is None:
+        grid = awq.DEFAULT_GRID if method == "awq" else rtn.DEFAULT_GRID
     dtype = getattr(mx, format.dtype_name(dtype if dtype is not None else model_dtype(model)))
     plan = plan_layers(model, bits, group_size, recipe=recipe, group_fallback=group_fallback)
     calibration = None
@@ -192,9 +197,7 @@ def quantize_model(
         },
         "bits_per_weight": round(bits_per_weight(model), 4),
     }
-    from mlxspec import __version__
-
-    quantization["mlxspec_version"] = __version__
+    quantization["mlxspec_version"] = version("mlxspec")
     return model, quantization
 
 

@@ -91,6 +91,7 @@ struct Run {
     int n = int(size.x * size.y * size.z);
     for (auto& [offset, bytes] : statics) std::memset(anchor + offset, 0xff, bytes);
     Monitor monitor(n);
+    monitor.shared_memory = !statics.empty();
     std::vector<std::thread> threads;
     threads.reserve(n);
     for (int i = 0; i < n; i++) {

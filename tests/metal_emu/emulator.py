@@ -55,7 +55,7 @@ FLAVORS = {
     ],
 }
 # -w: g++ does not know Metal's attributes ([[kernel]], [[buffer(0)]], [[host_name(...)]]).
-COMMON_FLAGS = ["-std=c++17", "-pthread", "-w"]
+COMMON_FLAGS = ["-std=c++17", "-pthread", "-w", "-fno-omit-frame-pointer"]  # simd call paths
 RUN_ENV = {
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0",
     "ASAN_OPTIONS": "detect_leaks=0",

@@ -152,10 +152,15 @@ struct Monitor {
   std::mutex mu;
   std::condition_variable cv;
   int threads = 0, exited = 0, at_barrier = 0;
+  bool shared_memory = false;  // the kernel has threadgroup variables
   std::vector<int> state, line;
+  // Each lane's call path to its simd operation (the code address of the call and of its caller):
+  // two divergent branches calling one helper reach the same line by different paths.
+  std::vector<std::pair<const void*, const void*>> site;
   std::vector<Simdgroup> simd;
 
-  explicit Monitor(int n) : threads(n), state(n, RUNNING), line(n, 0), simd((n + 31) / 32) {
+  explicit Monitor(int n)
+      : threads(n), state(n, RUNNING), line(n, 0), site(n), simd((n + 31) / 32) {
     for (int s = 0; s < int(simd.size()); s++) {
       simd[s].first = 32 * s;
       simd[s].count = std::min(32, n - 32 * s);
@@ -166,7 +171,7 @@ struct Monitor {
   void progress() {
     bool released = false;
     for (auto& sg : simd) {
-      int live = 0, waiting = 0, at_line = -1, at_kind = -1;
+      int live = 0, waiting = 0, at_line = -1, at_kind = -1, first = -1;
       uint32_t active = 0;
       for (int l = 0; l < sg.count; l++) {
         int t = sg.first + l;
@@ -178,9 +183,14 @@ struct Monitor {
         if (at_line < 0) {
           at_line = line[t];
           at_kind = sg.lanes[l].kind;
+          first = t;
         } else if (line[t] != at_line || sg.lanes[l].kind != at_kind) {
           fail("simdgroup %d: lanes reached different simd operations (lines %d and %d)",
                int(&sg - simd.data()), at_line, line[t]);
+        } else if (site[t] != site[first]) {
+          fail("simdgroup %d: lanes reached different simd operations (line %d by different "
+               "call paths: divergent branches calling one helper)",
+               int(&sg - simd.data()), at_line);
         }
       }
       if (live > 0 && waiting == live) {
@@ -241,8 +251,14 @@ struct ThreadContext {
 };
 inline thread_local ThreadContext context;
 
-inline void barrier(int at_line) {
+inline void barrier(int at_line, int flags = 2) {
   Monitor& m = *context.monitor;
+  if (m.shared_memory && !(flags & 2)) {
+    // Without mem_threadgroup the barrier orders execution only: threadgroup memory written
+    // before it need not be visible after it (the emulator's mutex would make it so).
+    fail("threadgroup_barrier at line %d lacks mem_flags::mem_threadgroup, but the kernel "
+         "exchanges data through threadgroup memory", at_line);
+  }
   std::unique_lock<std::mutex> lock(m.mu);
   int t = context.index;
   m.state[t] = AT_BARRIER;
@@ -333,7 +349,7 @@ void combine(int kind, Lane* lanes, uint32_t active) {
 }
 
 template <class V>
-V simd_op(int kind, V value, int arg, int at_line) {
+__attribute__((noinline)) V simd_op(int kind, V value, int arg, int at_line) {
   static_assert(sizeof(V) <= 32, "simd value too large");
   Monitor& m = *context.monitor;
   std::unique_lock<std::mutex> lock(m.mu);
@@ -347,6 +363,7 @@ V simd_op(int kind, V value, int arg, int at_line) {
   sg.combine = &combine<V>;
   m.state[t] = AT_SIMD;
   m.line[t] = at_line;
+  m.site[t] = {__builtin_return_address(0), __builtin_return_address(1)};
   m.progress();
   m.wait_until_released(lock, t);
   V result;
@@ -357,10 +374,10 @@ V simd_op(int kind, V value, int arg, int at_line) {
 }  // namespace emu
 #include "emu_driver.h"
 #define EMU_SIMD_OP(kind, v, arg, line) ::emu::simd_op(::emu::kind, v, int(arg), line)
-#define EMU_BARRIER(line) ::emu::barrier(line)
+#define EMU_BARRIER(line, flags) ::emu::barrier(line, flags)
 #else
 #define EMU_SIMD_OP(kind, v, arg, line) (v)
-#define EMU_BARRIER(line) ((void)(line))
+#define EMU_BARRIER(line, flags) ((void)(line))
 #endif  // EMU_ADDRESS_SPACES
 
 // ---------------------------------------------------------------------------------------------
@@ -370,53 +387,55 @@ namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-inline void threadgroup_barrier(mem_flags, int line = __builtin_LINE()) { EMU_BARRIER(line); }
-inline void simdgroup_barrier(mem_flags, int line = __builtin_LINE()) {
+inline void threadgroup_barrier(mem_flags flags, int line = __builtin_LINE()) {
+  EMU_BARRIER(line, int(flags));
+}
+__attribute__((always_inline)) inline void simdgroup_barrier(mem_flags, int line = __builtin_LINE()) {
   (void)EMU_SIMD_OP(SIMD_BARRIER, 0, 0, line);
 }
 
 template <class V>
-V simd_sum(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(SUM, v, 0, line); }
+__attribute__((always_inline)) inline V simd_sum(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(SUM, v, 0, line); }
 template <class V>
-V simd_product(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(PRODUCT, v, 0, line); }
+__attribute__((always_inline)) inline V simd_product(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(PRODUCT, v, 0, line); }
 template <class V>
-V simd_max(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MAX, v, 0, line); }
+__attribute__((always_inline)) inline V simd_max(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MAX, v, 0, line); }
 template <class V>
-V simd_min(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MIN, v, 0, line); }
+__attribute__((always_inline)) inline V simd_min(V v, int line = __builtin_LINE()) { return EMU_SIMD_OP(MIN, v, 0, line); }
 template <class V>
-V simd_prefix_exclusive_sum(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_prefix_exclusive_sum(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(PREFIX_EXCLUSIVE_SUM, v, 0, line);
 }
 template <class V>
-V simd_prefix_inclusive_sum(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_prefix_inclusive_sum(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(PREFIX_INCLUSIVE_SUM, v, 0, line);
 }
 template <class V>
-V simd_shuffle(V v, ushort lane, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle(V v, ushort lane, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE, v, lane, line);
 }
 template <class V>
-V simd_broadcast(V v, ushort lane, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_broadcast(V v, ushort lane, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE, v, lane, line);
 }
 template <class V>
-V simd_shuffle_xor(V v, ushort mask, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_xor(V v, ushort mask, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_XOR, v, mask, line);
 }
 template <class V>
-V simd_shuffle_down(V v, ushort delta, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_down(V v, ushort delta, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_DOWN, v, delta, line);
 }
 template <class V>
-V simd_shuffle_up(V v, ushort delta, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_shuffle_up(V v, ushort delta, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(SHUFFLE_UP, v, delta, line);
 }
 template <class V>
-V simd_broadcast_first(V v, int line = __builtin_LINE()) {
+__attribute__((always_inline)) inline V simd_broadcast_first(V v, int line = __builtin_LINE()) {
   return EMU_SIMD_OP(BROADCAST_FIRST, v, 0, line);
 }
-inline bool simd_all(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ALL, v, 0, line); }
-inline bool simd_any(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ANY, v, 0, line); }
+__attribute__((always_inline)) inline bool simd_all(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ALL, v, 0, line); }
+__attribute__((always_inline)) inline bool simd_any(bool v, int line = __builtin_LINE()) { return EMU_SIMD_OP(ANY, v, 0, line); }
 
 template <class T>
 struct numeric_limits : std::numeric_limits<T> {};
