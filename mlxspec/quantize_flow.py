@@ -108,6 +108,7 @@ def quantize_to_dir(
         QuantizationError, OutputExistsError, EvaluationError, ...: every input error before the
         model loads.
     """
+    from mlxspec.gguf_quant import dense_conversion
     from mlxspec.load import default_model_path, load, read_config, resolve_model_path
     from mlxspec.quant import calibrate, storage
     from mlxspec.quant.quantize import CALIBRATED, quantize_model
@@ -133,7 +134,8 @@ def quantize_to_dir(
     if local_source.exists():
         check_output_dir(out_dir, protected=protected, force=force,
                          needed_bytes=_weight_count(local_source) * bits // 8)
-    model_dir = resolve_model_path(model)
+    with dense_conversion():  # quantize from float weights, even where GGUFs import quantized
+        model_dir = resolve_model_path(model)
     config = read_config(model_dir)
     if storage.quantization_record(config) is not None:
         raise QuantizationError(
@@ -141,7 +143,8 @@ def quantize_to_dir(
         )
     reference_dir = None
     if evaluate and reference is not None:
-        reference_dir = resolve_model_path(None if reference == "default" else reference)
+        with dense_conversion():
+            reference_dir = resolve_model_path(None if reference == "default" else reference)
         protected.append(("reference", reference_dir))
     protected.append(("source", model_dir))
     out = check_output_dir(out_dir, protected=protected, force=force,

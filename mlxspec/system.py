@@ -33,6 +33,9 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
 
         report["quantized_matmul"] = kernels.describe()
         report["zero_point_layers"] = layers.describe()
+        from mlxspec import gguf_quant
+
+        report["gguf_weights"] = gguf_quant.describe()
     except ImportError as e:
         report["quantized_matmul"] = f"unavailable ({e})"
     try:

@@ -20,6 +20,7 @@ from mlxspec.evaluation.windows import (
     DEFAULT_WINDOWS,
     take_windows,
 )
+from mlxspec.gguf_quant import dense_conversion
 from mlxspec.load import load, read_config, resolve_model_path
 from mlxspec.speculative.tokenizers import check_same_tokenizer
 
@@ -155,7 +156,8 @@ def _reference_dir(reference: ModelSpec, model_dir: Path) -> Path:
     """The local directory of a reference model; never the model itself (a gate comparing a
     model with itself would pass anything)."""
     try:
-        reference_dir = resolve_model_path(None if reference == "default" else reference)
+        with dense_conversion():  # the float reference, even where GGUFs import quantized
+            reference_dir = resolve_model_path(None if reference == "default" else reference)
     except ModelNotFoundError as e:
         raise EvaluationError(
             f"the reference model {reference} is not available here ({e}): pass --reference"
