@@ -104,14 +104,14 @@ def quality(name: str, windows: int, calibration_windows: int,
             methods=METHODS) -> list[dict]:
     from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load
-    from mlxspec.quant import mixed
+    from mlxspec.quant import calibrate, mixed
     from mlxspec.quant import quantize as q
 
     spec = model_spec(name)
     reference, tokenizer = load(spec)
     cached = CachedLogits(reference)
     eval_windows = builtin_windows(tokenizer, windows=windows)
-    calibration, _ = q.calibration_windows(tokenizer, windows=calibration_windows)
+    calibration, _ = calibrate.calibration_windows(tokenizer, windows=calibration_windows)
     rows = []
     for bits, group_size, recipe_name in QUALITY_CASES:
         recipe = mixed.load_recipe(recipe_name) if recipe_name else None
@@ -190,13 +190,14 @@ def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_
 
     from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load, resolve_model_path
+    from mlxspec.quant import calibrate
     from mlxspec.quant import quantize as q
 
     source = resolve_model_path(model_spec(name))
     target = Path.home() / ".cache" / "mlx-lm" / "calibration_v5.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
-        shutil.copy(q.builtin_calibration_path(), target)
+        shutil.copy(calibrate.builtin_calibration_path(), target)
     reference, tokenizer = load(str(source))
     cached = CachedLogits(reference)
     eval_windows = builtin_windows(tokenizer, windows=windows)

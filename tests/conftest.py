@@ -40,7 +40,8 @@ def smollm2_q8_dirs(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     recording ``smollm2_dir`` as its source. For the tests that need a real quantized model on
     disk; the quantize flow itself (options, refusals, CLI) is tested on tiny models."""
     from mlxspec.load import load, read_config
-    from mlxspec.quant.quantize import quantize_model, save_quantized
+    from mlxspec.quant.quantize import quantize_model
+    from mlxspec.quant.storage import save_quantized
 
     root = tmp_path_factory.mktemp("smollm2-q8")
     model, _ = load(str(smollm2_dir))

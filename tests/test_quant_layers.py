@@ -15,7 +15,8 @@ from tiny_models import make_tiny_model
 from mlxspec.load import load, weight_format
 from mlxspec.quant import format, layers, rtn
 from mlxspec.quant.layers import ZeroPointEmbedding, ZeroPointLinear
-from mlxspec.quant.quantize import quantize_model, save_quantized
+from mlxspec.quant.quantize import quantize_model
+from mlxspec.quant.storage import save_quantized
 
 CPU_PATHS = ["dense", "quantized"]
 

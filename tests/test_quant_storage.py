@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten
 
 from mlxspec.load import load, read_config
 from mlxspec.quant import format, layers
-from mlxspec.quant.quantize import calibration_windows, quantize_model
+from mlxspec.quant.calibrate import calibration_windows
+from mlxspec.quant.quantize import quantize_model
 from mlxspec.quant.storage import mlx_lm_loadable, save_quantized
 
 PROMPT = "Paris is"  # short: mlx-lm's CPU quantized matmul redoes the mat-vec per row

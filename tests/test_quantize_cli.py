@@ -20,7 +20,7 @@ from tiny_models import make_tiny_model
 
 from mlxspec.cli.main import cli
 from mlxspec.quant import layers
-from mlxspec.quant.quantize import builtin_calibration_path
+from mlxspec.quant.calibrate import builtin_calibration_path
 
 MLXSPEC = str(Path(sys.executable).parent / "mlxspec")
 

@@ -14,7 +14,8 @@ _API = ("quantize_model", "save_quantized", "calibration_windows")
 def __getattr__(name: str):
     # Imported on first use, so that `mlxspec.quant.format` stays light for the kernels.
     if name in _API:
-        from mlxspec.quant import quantize, storage
+        from mlxspec.quant import calibrate, quantize, storage
 
-        return getattr(storage if name == "save_quantized" else quantize, name)
+        home = {"save_quantized": storage, "calibration_windows": calibrate}.get(name, quantize)
+        return getattr(home, name)
     raise AttributeError(f"module 'mlxspec.quant' has no attribute {name!r}")

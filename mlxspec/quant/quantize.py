@@ -38,14 +38,10 @@ import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import awq, format, gptq, rtn
-from mlxspec.quant.calibrate import (  # noqa: F401  (calibration names re-exported for the CLI)
+from mlxspec.quant.calibrate import (
     CALIBRATION_BATCH,
-    DEFAULT_CALIBRATION_TOKENS,
-    DEFAULT_CALIBRATION_WINDOWS,
     BlockQuantizer,
     block_inputs,
-    builtin_calibration_path,
-    calibration_windows,
     record_block,
 )
 from mlxspec.quant.layers import replace_modules, zero_point_like
@@ -54,7 +50,6 @@ from mlxspec.quant.storage import (
     ZP_FORMAT,
     cast_floats,
     model_dtype,
-    save_quantized,  # noqa: F401  (the saver, re-exported)
 )
 
 METHODS = ("rtn", "gptq", "awq")
