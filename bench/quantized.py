@@ -289,7 +289,7 @@ def layer_shapes(name: str) -> list[tuple[int, int]]:
 
 def kernels(shapes: list[tuple[int, int]], iters: int) -> list[dict]:
     """Seconds per call at M = 1, 2, 4, 8 for each shape and bits 4, 8 (group size 64)."""
-    from mlxspec.quant import format
+    from mlxspec.quant import zp_format
 
     def timed(fn, *args, **kwargs):
         for _ in range(2):
@@ -308,10 +308,10 @@ def kernels(shapes: list[tuple[int, int]], iters: int) -> list[dict]:
             q = rng.integers(0, 2**bits, (out_features, in_features))
             z = rng.integers(0, 2**bits, (out_features, in_features // 64))
             s = (rng.random((out_features, in_features // 64)) * 0.01 + 1e-3).astype(np.float16)
-            weight, scales, zeros = (mx.array(format.pack(q, bits)), mx.array(s),
-                                     mx.array(format.pack(z, bits)))
-            _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, 64)
-            dense = format.dequantize(weight, scales, zeros, bits, 64, dtype=mx.float32)
+            weight, scales, zeros = (mx.array(zp_format.pack(q, bits)), mx.array(s),
+                                     mx.array(zp_format.pack(z, bits)))
+            _, _, biases = zp_format.to_mlx_affine(weight, scales, zeros, bits, 64)
+            dense = zp_format.dequantize(weight, scales, zeros, bits, 64, dtype=mx.float32)
             biases16 = biases.astype(mx.float16)
             mx.eval(weight, scales, biases, dense, biases16)
             repeats = max(3, min(iters, int(2e8 // (out_features * in_features))))

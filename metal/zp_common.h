@@ -1,7 +1,7 @@
 // Helpers shared by the zero-point kernels (zp_*.metal). Passed to mx.fast.metal_kernel as the
 // `header`, so MLX's own prelude (metal_stdlib, float16_t, bfloat16_t) is already in scope.
 //
-// Format (the one definition is mlxspec/quant/format.py): each row of `weight` is a little-endian
+// Format (the one definition is mlxspec/quant/zp_format.py): each row of `weight` is a little-endian
 // bit stream of BITS-bit unsigned values, value i at bit i*BITS of the row's uint32 words; 8
 // consecutive values (a "pack") fill exactly BITS bytes. `zeros` rows use the same packing along
 // the group axis. A weight is w = s * (q - z).

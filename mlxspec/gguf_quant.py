@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K as GGUFQ4K
 
 from mlxspec.errors import UnsupportedModelError
-from mlxspec.quant import format
+from mlxspec.quant import zp_format
 
 MODE_ENV = "MLXSPEC_GGUF_WEIGHTS"  # "auto" (default), "dense" or "quantized"
 GROUP_SIZE = 32
@@ -147,7 +147,7 @@ def affine_arrays(qtype: Q, raw: np.ndarray, shape: tuple[int, int]) -> dict[str
     bits = IMPORTED[qtype]
     half = qtype != Q.Q4_K  # the GGUF's own float16 numbers; Q4_K's products need float32
     return {
-        "weight": format.pack(q.reshape(rows, cols), bits),
+        "weight": zp_format.pack(q.reshape(rows, cols), bits),
         "scales": np.ascontiguousarray(d.reshape(rows, -1)),
         "biases": np.ascontiguousarray(biases.reshape(rows, -1).astype(
             np.float16 if half else np.float32)),

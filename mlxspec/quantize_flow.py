@@ -85,7 +85,7 @@ def quantize_to_dir(
         model: the unquantized source (Hub repo id, directory, .gguf; None: the default model).
         out_dir: the directory to create (replaced only with ``force``, and only if it is empty
             or a model directory mlxspec wrote).
-        bits, group_size: see :mod:`mlxspec.quant.format`.
+        bits, group_size: see :mod:`mlxspec.quant.zp_format`.
         method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
         output_format: ``"mlx"`` (MLX affine, exact; plain mlx-lm loads it) or ``"zp"``
             (mlxspec zero-point, for what affine cannot express: act-order).
@@ -282,11 +282,11 @@ def _written_by_mlxspec(path: Path) -> bool:
 
 
 def _check_options(bits, group_size, method, output_format, act_order) -> None:
-    from mlxspec.quant import format
+    from mlxspec.quant import zp_format
     from mlxspec.quant.quantize import METHODS
     from mlxspec.quant.storage import FORMATS
 
-    format.check_spec(bits, group_size, group_size)
+    zp_format.check_spec(bits, group_size, group_size)
     if method not in METHODS:
         raise QuantizationError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
     if output_format not in FORMATS:

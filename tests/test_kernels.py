@@ -17,7 +17,7 @@ from metal_emu import emulator
 from metal_emu.emulator import EmulationError
 
 from mlxspec.errors import MlxspecError, QuantizationError
-from mlxspec.quant import format, kernel_check, kernels
+from mlxspec.quant import kernel_check, kernels, zp_format
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the Metal emulator needs g++")
 needs_clang = pytest.mark.skipif(
@@ -35,7 +35,7 @@ def make_layer(n, k, bits, group_size, scale_dtype=mx.float16, seed=0):
     scales = scales.astype(scale_dtype)
     s64 = np.array(scales.astype(mx.float32)).astype(np.float64)
     dense = np.repeat(s64, group_size, 1) * (q - np.repeat(z, group_size, 1))
-    layer = (mx.array(format.pack(q, bits)), scales, mx.array(format.pack(z, bits)))
+    layer = (mx.array(zp_format.pack(q, bits)), scales, mx.array(zp_format.pack(z, bits)))
     return layer, dense
 
 
@@ -79,12 +79,12 @@ def test_check_on_device_refuses_clearly_without_metal():
         kernel_check.check_on_device()
 
 
-@pytest.mark.parametrize("bits", format.SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", zp_format.SUPPORTED_BITS)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_fallback_matmul_matches_float64_reference(bits, dtype):
     (weight, scales, zeros), dense = make_layer(40, 256, bits, 64)
     x, x64 = make_input((2, 3, 256), dtype)
-    _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, 64)
+    _, _, biases = zp_format.to_mlx_affine(weight, scales, zeros, bits, 64)
     for b in (None, biases):
         y = kernels.fallback_matmul(x, weight, scales, zeros, bits=bits, group_size=64, biases=b)
         assert y.shape == (2, 3, 40)
@@ -151,7 +151,7 @@ def emulate_matmul(x, layer, bits, group_size, flavor="plain", edit=None):
 
 # (bits, group size, K): K is a multiple of the group size but not of the 256/512 K steps, and
 # N = 33 leaves a partial simdgroup row set and a partial last threadgroup.
-BITS_GROUPS = [(b, g) for b in format.SUPPORTED_BITS for g in format.SUPPORTED_GROUP_SIZES]
+BITS_GROUPS = [(b, g) for b in zp_format.SUPPORTED_BITS for g in zp_format.SUPPORTED_GROUP_SIZES]
 K_FOR_GROUP = {32: 352, 64: 576, 128: 640}
 
 
@@ -244,7 +244,7 @@ def test_emulated_dequantize_equals_format_dequantize_exactly(
         got = kernels.metal_dequantize(
             weight, scales, zeros, bits=bits, group_size=group_size, dtype=dtype
         )
-    want = format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
+    want = zp_format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
     assert got.dtype == dtype
     assert mx.array_equal(got, want).item()
 
@@ -525,7 +525,7 @@ def test_emulator_keeps_divergent_calls_of_one_simd_helper_apart():
 @pytest.fixture
 def pretend_metal(monkeypatch):
     def dequantize(weight, scales, zeros, *, bits, group_size, dtype):
-        return format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
+        return zp_format.dequantize(weight, scales, zeros, bits, group_size, dtype=dtype)
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(kernel_check, "metal_matmul", kernels.fallback_matmul)

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from tiny_models import make_tiny_model
 
 from mlxspec.load import load, weight_format
-from mlxspec.quant import format, layers, rtn
+from mlxspec.quant import layers, rtn, zp_format
 from mlxspec.quant.layers import ZeroPointEmbedding, ZeroPointLinear
 from mlxspec.quant.quantize import quantize_model
 from mlxspec.quant.storage import save_quantized
@@ -157,8 +157,8 @@ def dequantized_twin(quantized: nn.Module, twin: nn.Module) -> nn.Module:
     independent path: numpy unpacking, plain float32 matmuls)."""
     new = {}
     for path, layer in layers.zero_point_modules(quantized).items():
-        q = format.unpack(np.array(layer.weight), layer.bits, layer.in_features)
-        z = format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
+        q = zp_format.unpack(np.array(layer.weight), layer.bits, layer.in_features)
+        z = zp_format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
         w = reference_weight(q.astype(np.int64), np.array(layer.scales), z.astype(np.int64),
                              layer.group_size).astype(np.float32)
         if isinstance(layer, ZeroPointEmbedding):
@@ -212,7 +212,7 @@ def test_zp_directory_round_trip_gives_identical_logits(tiny_dir, tmp_path):
 def pack_rows_bitstream(values: np.ndarray, bits: int) -> np.ndarray:
     """Pack along axis 0 the way AutoGPTQ's pack() does: per column, a little-endian bit
     stream in which bit ``b`` of row ``i`` is stream bit ``i * bits + b`` (written bit by bit,
-    independently of mlxspec.quant.format)."""
+    independently of mlxspec.quant.zp_format)."""
     rows, cols = values.shape
     out = np.zeros((-(-rows * bits // 32), cols), np.uint64)
     for b in range(bits):
@@ -231,8 +231,8 @@ def export_gptq(model: nn.Module, path: Path, source_dir: Path, bits: int, group
     for prefix, layer in layers.zero_point_modules(model).items():
         if isinstance(layer, ZeroPointEmbedding):
             continue
-        q = format.unpack(np.array(layer.weight), bits, layer.in_features).astype(np.int64)
-        z = format.unpack(np.array(layer.zeros), bits, layer.in_features // group_size)
+        q = zp_format.unpack(np.array(layer.weight), bits, layer.in_features).astype(np.int64)
+        z = zp_format.unpack(np.array(layer.zeros), bits, layer.in_features // group_size)
         g_idx = np.arange(layer.in_features) // group_size
         if "perm" in layer:  # column j of q is input feature perm[j], in group j // g
             perm = np.array(layer.perm)
@@ -292,8 +292,8 @@ def export_awq(model: nn.Module, path: Path, source_dir: Path, group_size: int) 
         if isinstance(layer, ZeroPointEmbedding):
             continue
         assert "perm" not in layer and layer.bits == 4
-        q = format.unpack(np.array(layer.weight), 4, layer.in_features)
-        z = format.unpack(np.array(layer.zeros), 4, layer.in_features // group_size)
+        q = zp_format.unpack(np.array(layer.weight), 4, layer.in_features)
+        z = zp_format.unpack(np.array(layer.zeros), 4, layer.in_features // group_size)
         tensors[f"{prefix}.qweight"] = mx.array(pack_awq(q.T))  # (in, out / 8)
         tensors[f"{prefix}.qzeros"] = mx.array(pack_awq(z.T))  # (n_groups, out / 8)
         tensors[f"{prefix}.scales"] = mx.array(np.array(layer.scales).T.copy())

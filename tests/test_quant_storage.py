@@ -24,7 +24,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxspec.load import load, read_config
-from mlxspec.quant import format, layers
+from mlxspec.quant import layers, zp_format
 from mlxspec.quant.calibrate import calibration_windows
 from mlxspec.quant.quantize import quantize_model
 from mlxspec.quant.storage import mlx_lm_loadable, save_quantized
@@ -42,8 +42,8 @@ def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
                                calibration_tokens=calibration, group_fallback=True)
     reference = {}
     for path, layer in layers.zero_point_modules(model).items():
-        q = format.unpack(np.array(layer.weight), layer.bits, layer.in_features).astype(np.int64)
-        z = format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
+        q = zp_format.unpack(np.array(layer.weight), layer.bits, layer.in_features).astype(np.int64)
+        z = zp_format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
         s = np.array(layer.scales.astype(mx.float32), np.float64)
         g = layer.group_size
         reference[path] = np.repeat(s, g, 1) * (q - np.repeat(z.astype(np.int64), g, 1))

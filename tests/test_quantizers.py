@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import format, gptq, rtn
+from mlxspec.quant import gptq, rtn, zp_format
 
 
 def dense(q, scales, zeros, group_size) -> np.ndarray:
@@ -35,12 +35,12 @@ def test_rtn_recovers_weights_that_lie_exactly_on_a_grid(bits, group_size, dtype
     q = rng.integers(0, qmax + 1, (out_features, in_features))
     q[:, ::group_size], q[:, 1::group_size] = 0, qmax
     zeros = rng.integers(0, qmax + 1, (out_features, in_features // group_size))
-    scales = format.round_scales(rng.random(zeros.shape) * 0.05 + 0.001, bits, dtype)
+    scales = zp_format.round_scales(rng.random(zeros.shape) * 0.05 + 0.001, bits, dtype)
     w = dense(q, scales, zeros, group_size).astype(np.float32)
     q2, s2, z2 = rtn.quantize(w, bits, group_size, dtype=dtype)
     np.testing.assert_array_equal(dense(q2, s2, z2, group_size), w.astype(np.float64))
     assert q2.dtype == np.uint8 and z2.dtype == np.uint8
-    assert format.scales_are_exact(mx.array(s2).astype(getattr(mx, dtype)), bits)
+    assert zp_format.scales_are_exact(mx.array(s2).astype(getattr(mx, dtype)), bits)
 
 
 def mlx_minmax(w: np.ndarray, bits: int, group_size: int) -> np.ndarray:
@@ -173,7 +173,7 @@ def test_sensitivity_recipe_promotes_within_the_budget_and_restores_the_model(tm
     from tiny_models import make_tiny_model
 
     from mlxspec.load import load
-    from mlxspec.quant import format
+    from mlxspec.quant import zp_format
     from mlxspec.quant.layers import is_quantized
     from mlxspec.quant.mixed import plan_layers, sensitivity_recipe
     from mlxspec.quant.quantize import quantize_model
@@ -194,7 +194,7 @@ def test_sensitivity_recipe_promotes_within_the_budget_and_restores_the_model(tm
     assert recipe["rules"] and all(rule["bits"] == 8 for rule in recipe["rules"])
     plan = plan_layers(model, 4, 32, recipe=recipe)
     sizes = {p: m.weight.size for p, m in model.named_modules() if p in plan}
-    stored = sum(sizes[p] * format.bits_per_weight(s.bits, s.group_size) for p, s in plan.items())
+    stored = sum(sizes[p] * zp_format.bits_per_weight(s.bits, s.group_size) for p, s in plan.items())
     assert stored / sum(sizes.values()) <= 5.0
     _, record = quantize_model(model, bits=4, group_size=32, recipe=recipe)
     assert record["recipe"] == "sensitivity:5" and record["layers"]

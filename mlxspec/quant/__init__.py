@@ -12,7 +12,7 @@ _API = ("quantize_model", "save_quantized", "calibration_windows")
 
 
 def __getattr__(name: str):
-    # Imported on first use, so that `mlxspec.quant.format` stays light for the kernels.
+    # Imported on first use, so that `mlxspec.quant.zp_format` stays light for the kernels.
     if name in _API:
         from mlxspec.quant import calibrate, quantize, storage
 

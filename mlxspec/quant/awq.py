@@ -38,8 +38,8 @@ import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import rtn
-from mlxspec.quant.format import dtype_name
 from mlxspec.quant.layers import zero_point_like
+from mlxspec.quant.zp_format import dtype_name
 
 ALPHAS = np.arange(20) / 20  # the grid of exponents searched (as AutoAWQ)
 # Clipping ratios of the final importance-weighted RTN. Unlike plain RTN's unweighted search, the

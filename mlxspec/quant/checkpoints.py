@@ -1,8 +1,8 @@
-"""Import AutoGPTQ and AutoAWQ checkpoints (Hugging Face layout) into the zero-point format.
+"""Import AutoGPTQ and AutoAWQ checkpoints (Hugging Face layout) into the zero-point zp_format.
 
 Both store, per linear layer ``<path>``, int32 tensors ``qweight`` and ``qzeros`` and float16
 ``scales`` of shape ``(n_groups, out)``, with ``w = scale * (q - z)`` -- the same model as
-:mod:`mlxspec.quant.format`, laid out differently:
+:mod:`mlxspec.quant.zp_format`, laid out differently:
 
 - AutoGPTQ (``quant_method: gptq``): ``qweight`` ``(in * bits / 32, out)`` packs ``q`` down each
   *column* as a little-endian bit stream (our layout, transposed); ``qzeros``
@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.errors import UnsupportedModelError
-from mlxspec.quant import format
+from mlxspec.quant import zp_format
 from mlxspec.quant.storage import build_model, read_safetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AutoAWQ word holds output feature AWQ_ORDER[k]
@@ -61,8 +61,8 @@ def gptq_to_zero_point(
     in_features = qweight.shape[0] * 32 // bits
     out_features = qweight.shape[1]
     n_groups = in_features // group_size
-    q = format.unpack(np.ascontiguousarray(qweight.T), bits, in_features)  # (out, in)
-    z = format.unpack(qzeros, bits, out_features).T  # (out, n_groups)
+    q = zp_format.unpack(np.ascontiguousarray(qweight.T), bits, in_features)  # (out, in)
+    z = zp_format.unpack(qzeros, bits, out_features).T  # (out, n_groups)
     if zeros_minus_one:
         z = (z.astype(np.int64) + 1) & (2**bits - 1)
     out = {"scales": mx.array(np.ascontiguousarray(_np(scales).T))}
@@ -77,8 +77,8 @@ def gptq_to_zero_point(
             )
         q = q[:, perm]
         out["perm"] = mx.array(perm.astype(np.uint32))
-    out["weight"] = mx.array(format.pack(q, bits))
-    out["zeros"] = mx.array(format.pack(z, bits))
+    out["weight"] = mx.array(zp_format.pack(q, bits))
+    out["zeros"] = mx.array(zp_format.pack(z, bits))
     return out
 
 
@@ -100,9 +100,9 @@ def awq_to_zero_point(qweight, qzeros, scales) -> dict[str, mx.array]:
     q = _awq_unpack(_np(qweight)).T  # (out, in)
     z = _awq_unpack(_np(qzeros)).T  # (out, n_groups)
     return {
-        "weight": mx.array(format.pack(np.ascontiguousarray(q), 4)),
+        "weight": mx.array(zp_format.pack(np.ascontiguousarray(q), 4)),
         "scales": mx.array(np.ascontiguousarray(_np(scales).T)),
-        "zeros": mx.array(format.pack(np.ascontiguousarray(z), 4)),
+        "zeros": mx.array(zp_format.pack(np.ascontiguousarray(z), 4)),
     }
 
 
@@ -113,10 +113,10 @@ def convert_weights(weights: dict[str, mx.array], quantization_config: dict) -> 
     group_size = int(
         quantization_config.get("group_size", quantization_config.get("q_group_size", 128))
     )
-    if group_size not in format.SUPPORTED_GROUP_SIZES:
+    if group_size not in zp_format.SUPPORTED_GROUP_SIZES:
         raise UnsupportedModelError(
             f"{method} checkpoint with group size {group_size}: mlxspec supports group sizes "
-            f"{', '.join(map(str, format.SUPPORTED_GROUP_SIZES))}"
+            f"{', '.join(map(str, zp_format.SUPPORTED_GROUP_SIZES))}"
         )
     if method == "awq":
         version = str(quantization_config.get("version", "gemm")).lower()
@@ -124,7 +124,7 @@ def convert_weights(weights: dict[str, mx.array], quantization_config: dict) -> 
             raise UnsupportedModelError(
                 f"AutoAWQ {version} checkpoint with {bits} bits: only 4-bit GEMM checkpoints load"
             )
-    elif bits not in format.SUPPORTED_BITS:
+    elif bits not in zp_format.SUPPORTED_BITS:
         raise UnsupportedModelError(f"{bits}-bit GPTQ checkpoint: mlxspec supports 2, 3, 4, 8 bits")
     checkpoint_format = quantization_config.get(
         "checkpoint_format", quantization_config.get("format", "gptq")

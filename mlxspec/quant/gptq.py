@@ -29,8 +29,8 @@ import numpy as np
 
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import rtn
-from mlxspec.quant.format import check_spec, dtype_name
 from mlxspec.quant.layers import zero_point_like
+from mlxspec.quant.zp_format import check_spec, dtype_name
 
 BLOCK_SIZE = 128  # columns per lazy-update block; a multiple of every supported group size
 DEFAULT_DAMP = 0.01  # damping, as a fraction of the mean diagonal of H
@@ -91,7 +91,7 @@ def quantize(
     Args:
         weight: ``(out_features, in_features)`` float (numpy or mx).
         hessian: float64 ``(in, in)``, ``X.T X / rows`` of the layer's calibration inputs.
-        bits, group_size: see :mod:`mlxspec.quant.format`.
+        bits, group_size: see :mod:`mlxspec.quant.zp_format`.
         damp: damping of H's diagonal, relative to its mean.
         act_order: quantize columns by decreasing ``H[i, i]`` (the result is column-permuted).
         grid: clipping ratios tried per group (1 = min-max).

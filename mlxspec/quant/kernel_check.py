@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.errors import MlxspecError
-from mlxspec.quant import format
+from mlxspec.quant import zp_format
 from mlxspec.quant.kernels import (
     _FLOAT_TYPES,
     QMM_MAX_ROWS,
@@ -34,18 +34,18 @@ def check_on_device(seed: int = 0, timing: bool = True) -> dict:
         raise MlxspecError("the kernel check needs Metal: run it on a Mac with Apple silicon")
     rng = np.random.default_rng(seed)
     cases = []
-    for bits in format.SUPPORTED_BITS:
-        for group_size in format.SUPPORTED_GROUP_SIZES:
+    for bits in zp_format.SUPPORTED_BITS:
+        for group_size in zp_format.SUPPORTED_GROUP_SIZES:
             n, k = 300, 9 * group_size  # neither a multiple of the row tiles nor of the K steps
             weight, scales, zeros = _random_layer(rng, n, k, bits, group_size)
-            want = format.dequantize(weight, scales, zeros, bits, group_size, dtype=mx.float32)
+            want = zp_format.dequantize(weight, scales, zeros, bits, group_size, dtype=mx.float32)
             cases.append(_caught("dequantize", bits, group_size, mx.float32, want,
                                  metal_dequantize, weight, scales, zeros, bits=bits,
                                  group_size=group_size, dtype=mx.float32))
             for dtype in _FLOAT_TYPES:
                 # bfloat16 models come with bfloat16 scales.
                 layer = (weight, scales.astype(dtype) if dtype == mx.bfloat16 else scales, zeros)
-                _, _, biases = format.to_mlx_affine(*layer, bits, group_size)
+                _, _, biases = zp_format.to_mlx_affine(*layer, bits, group_size)
                 for m in (1, 3, 8, 16, 33):
                     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
                     want = fallback_matmul(
@@ -102,7 +102,7 @@ def _random_layer(rng: np.random.Generator, n: int, k: int, bits: int, group_siz
     q = rng.integers(0, 2**bits, (n, k))
     z = rng.integers(0, 2**bits, (n, k // group_size))
     s = (rng.random((n, k // group_size)) * 0.02 + 0.001).astype(np.float16)
-    return mx.array(format.pack(q, bits)), mx.array(s), mx.array(format.pack(z, bits))
+    return mx.array(zp_format.pack(q, bits)), mx.array(s), mx.array(zp_format.pack(z, bits))
 
 
 def _case(path: str, bits: int, group_size: int, dtype, got: mx.array, want: mx.array) -> dict:
@@ -143,7 +143,7 @@ def benchmark_matmul(
     weight_bytes = n * k * bits // 8
     layers = max(2, min(64, working_set_mb * 2**20 // weight_bytes))
     io_bytes = (rows * k + rows * n) * dtype.size
-    zp_bytes = weight_bytes + n * groups * 2 + n * format.packed_cols(groups, bits) * 4 + io_bytes
+    zp_bytes = weight_bytes + n * groups * 2 + n * zp_format.packed_cols(groups, bits) * 4 + io_bytes
     affine_bytes = weight_bytes + 2 * n * groups * 2 + io_bytes
     x = mx.random.normal((rows, k)).astype(dtype)
 
@@ -153,7 +153,7 @@ def benchmark_matmul(
     zp_layers, affine_layers = [], []
     for _ in range(layers):
         weight = _random_words((n, k * bits // 32))  # random codes = random bits
-        zeros = _random_words((n, format.packed_cols(groups, bits)))
+        zeros = _random_words((n, zp_format.packed_cols(groups, bits)))
         zp_layers.append((weight, random_scales(), zeros))
         affine_layers.append((weight, random_scales(), random_scales()))
     mx.eval(x, zp_layers, affine_layers)

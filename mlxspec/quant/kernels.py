@@ -2,12 +2,12 @@
 fallback elsewhere.
 
 ``zp_matmul(x, weight, scales, zeros, bits=..., group_size=...)`` computes ``x @ W.T`` for a weight
-in the format of :mod:`mlxspec.quant.format`. On Metal it dispatches by the number of activation
+in the format of :mod:`mlxspec.quant.zp_format`. On Metal it dispatches by the number of activation
 rows M:
 
 - M = 1: ``zp_qmv`` (decode): fused dequantize + mat-vec, simdgroup reductions;
 - M >= 2 (speculative verification, prefill): ``mx.quantized_matmul`` on the same weights in
-  their exact affine form (:func:`mlxspec.quant.format.to_mlx_affine`; MLX's tuned qmm/steel
+  their exact affine form (:func:`mlxspec.quant.zp_format.to_mlx_affine`; MLX's tuned qmm/steel
   kernels). The custom ``zp_qmm`` (:func:`metal_qmm`) is used instead only where it was measured
   faster (``MLXSPEC_QMM=zp``, after ``mlxspec doctor --kernels`` shows it): it has not been timed
   on a Mac yet. Nothing dequantizes a whole layer per call any more (that was a multi-GB transient
@@ -29,7 +29,7 @@ from importlib import resources
 import mlx.core as mx
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import format
+from mlxspec.quant import zp_format
 
 QMM_MAX_ROWS = 16
 _QMM_CAPACITIES = (4, 8, 16)
@@ -93,14 +93,14 @@ def _launch(name: str, **launch) -> list[mx.array]:
 def _check(weight: mx.array, scales: mx.array, zeros: mx.array, bits: int, group_size: int):
     """Validate the layer arrays; return (N, K)."""
     n, k = weight.shape[0], weight.shape[1] * 32 // bits
-    format.check_spec(bits, group_size, k)
+    zp_format.check_spec(bits, group_size, k)
     if weight.dtype != mx.uint32 or zeros.dtype != mx.uint32:
         raise QuantizationError("zero-point weight and zeros must be uint32: re-quantize the model")
     if scales.dtype not in (mx.float16, mx.bfloat16):
         raise QuantizationError(f"scales must be float16 or bfloat16, not {scales.dtype}")
     if scales.shape != (n, k // group_size) or zeros.shape != (
         n,
-        format.packed_cols(k // group_size, bits),
+        zp_format.packed_cols(k // group_size, bits),
     ):
         raise QuantizationError(
             f"scales {scales.shape} / zeros {zeros.shape} do not match weight {weight.shape}"
@@ -117,7 +117,7 @@ def _template(dtype, bits: int, group_size: int, **extra) -> list:
 def metal_dequantize(
     weight: mx.array, scales: mx.array, zeros: mx.array, *, bits: int, group_size: int, dtype
 ) -> mx.array:
-    """Dense weight ``(N, K)`` of ``dtype`` on the GPU; equals :func:`format.dequantize`."""
+    """Dense weight ``(N, K)`` of ``dtype`` on the GPU; equals :func:`zp_format.dequantize`."""
     n, k = _check(weight, scales, zeros, bits, group_size)
     return _launch(
         "zp_dequantize",
@@ -197,10 +197,10 @@ def fallback_matmul(
 ) -> mx.array:
     """``x @ W.T`` through ``mx.quantized_matmul`` on the exact affine form (any device).
 
-    ``biases``: float32 ``-s*z`` from :func:`format.to_mlx_affine`, computed here when omitted.
+    ``biases``: float32 ``-s*z`` from :func:`zp_format.to_mlx_affine`, computed here when omitted.
     """
     if biases is None:
-        _, _, biases = format.to_mlx_affine(weight, scales, zeros, bits, group_size)
+        _, _, biases = zp_format.to_mlx_affine(weight, scales, zeros, bits, group_size)
     y = mx.quantized_matmul(
         x, weight, scales, biases, transpose=True, group_size=group_size, bits=bits
     )
@@ -221,7 +221,7 @@ def zp_matmul(
 
     Args:
         x: ``(..., K)`` float16, bfloat16 or float32.
-        weight, scales, zeros: the layer in :mod:`mlxspec.quant.format` layout, W is ``(N, K)``.
+        weight, scales, zeros: the layer in :mod:`mlxspec.quant.zp_format` layout, W is ``(N, K)``.
         biases: precomputed float32 affine biases for the fallback (ignored by the kernels).
 
     Returns:

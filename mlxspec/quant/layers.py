@@ -1,7 +1,7 @@
 """Zero-point quantized layers, drop-in replacements for ``nn.Linear`` and ``nn.Embedding`` in any
 mlx-lm model (saving and loading: :mod:`mlxspec.quant.storage`).
 
-Each layer holds the three arrays of :mod:`mlxspec.quant.format` (``weight``, ``scales``,
+Each layer holds the three arrays of :mod:`mlxspec.quant.zp_format` (``weight``, ``scales``,
 ``zeros``), plus ``bias`` when the layer has one and ``perm`` for GPTQ act-order layers, whose
 groups follow a permutation of the input features (``y = x[..., perm] @ W.T``).
 
@@ -15,7 +15,7 @@ How ``x @ W.T`` runs (:func:`matmul_path`):
   copy dequantized once was the fastest in all 87 cases: 2-2.5x faster at M = 1 (1.5x for the
   vocabulary-sized heads) and 15-60x at M = 8, at 4 and 8 bits. So on the
   CPU each layer dequantizes itself once, on first use, into a float32 copy (exact: see
-  :func:`mlxspec.quant.format.dequantize`) -- *quantization then saves disk and download size but
+  :func:`mlxspec.quant.zp_format.dequantize`) -- *quantization then saves disk and download size but
   not memory or time on a CPU* -- as long as the copies fit in a budget (``MLXSPEC_ZP_DENSE_GB``,
   default a quarter of physical memory); layers past the budget stay packed and use
   ``mx.quantized_matmul`` on the exact affine form. ``MLXSPEC_ZP_CPU=quantized`` keeps every layer
@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import format, kernels
+from mlxspec.quant import kernels, zp_format
 
 CPU_PATH_ENV = "MLXSPEC_ZP_CPU"  # "auto" (default), "dense" or "quantized"
 DENSE_BUDGET_ENV = "MLXSPEC_ZP_DENSE_GB"  # float32 copies allowed on the CPU path, in GB
@@ -107,7 +107,7 @@ def _release(nbytes: int) -> None:
 
 class _Derived:
     """Arrays derived from a layer's packed weight (not a KV cache), rebuilt when the weight
-    arrays change: the affine biases ``-s*z`` (exact dtype, see :func:`format.to_mlx_affine`),
+    arrays change: the affine biases ``-s*z`` (exact dtype, see :func:`zp_format.to_mlx_affine`),
     and on the CPU dense path a float32 copy of the weight, made on the first matmul."""
 
     def __init__(self, source):
@@ -125,25 +125,25 @@ class _ZeroPoint(nn.Module):
 
     def __init__(self, out_features: int, in_features: int, bits: int, group_size: int):
         super().__init__()
-        format.check_spec(bits, group_size, in_features)
+        zp_format.check_spec(bits, group_size, in_features)
         self.bits, self.group_size = bits, group_size
         self.in_features, self.out_features = in_features, out_features
         n_groups = in_features // group_size
         self.weight = mx.zeros((out_features, in_features * bits // 32), dtype=mx.uint32)
         self.scales = mx.ones((out_features, n_groups), dtype=mx.float16)
-        self.zeros = mx.zeros((out_features, format.packed_cols(n_groups, bits)), dtype=mx.uint32)
+        self.zeros = mx.zeros((out_features, zp_format.packed_cols(n_groups, bits)), dtype=mx.uint32)
         self._cache: _Derived | None = None
 
     def set_quantized(self, q, scales, zeros, scale_dtype=mx.float16) -> None:
         """Store integers ``q`` ``(out, in)``, scales (as ``scale_dtype``) and integer
         zero-points ``(out, in / g)``."""
-        self.weight = mx.array(format.pack(q, self.bits))
+        self.weight = mx.array(zp_format.pack(q, self.bits))
         self.scales = mx.array(scales).astype(scale_dtype)
-        self.zeros = mx.array(format.pack(zeros, self.bits))
+        self.zeros = mx.array(zp_format.pack(zeros, self.bits))
 
     def dequantize(self, dtype=mx.float32) -> mx.array:
         """The dense weight ``(out, in)`` in the stored column order (``perm`` not undone)."""
-        return format.dequantize(
+        return zp_format.dequantize(
             self.weight, self.scales, self.zeros, self.bits, self.group_size, dtype=dtype
         )
 
@@ -154,7 +154,7 @@ class _ZeroPoint(nn.Module):
         source = (self.weight, self.scales, self.zeros)
         if d is None or any(a is not b for a, b in zip(d.source, source, strict=True)):
             self._cache = d = _Derived(source)
-            d.biases = format.to_mlx_affine(*source, self.bits, self.group_size)[2]
+            d.biases = zp_format.to_mlx_affine(*source, self.bits, self.group_size)[2]
         return d
 
     def _matmul(self, x: mx.array) -> mx.array:
@@ -342,20 +342,20 @@ def model_summary(model: nn.Module) -> dict:
 
 def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
     """The zero-point twin of an MLX ``QuantizedLinear``/``QuantizedEmbedding`` whose biases are
-    ``-scale * z`` for integer ``z`` (:func:`format.zeros_from_affine`), sharing its packed
+    ``-scale * z`` for integer ``z`` (:func:`zp_format.zeros_from_affine`), sharing its packed
     weight and scales; None for any other layer (float minimum biases, other modes or bits)."""
     if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
         return None
     bits, group_size = layer.bits, layer.group_size
-    if bits not in format.SUPPORTED_BITS or group_size not in format.SUPPORTED_GROUP_SIZES:
+    if bits not in zp_format.SUPPORTED_BITS or group_size not in zp_format.SUPPORTED_GROUP_SIZES:
         return None
-    z = format.zeros_from_affine(layer.scales, layer.biases, bits)
+    z = zp_format.zeros_from_affine(layer.scales, layer.biases, bits)
     if z is None:
         return None
     out_features, in_features = layer.weight.shape[0], layer.weight.shape[1] * 32 // bits
     if isinstance(layer, nn.QuantizedEmbedding):
         # Rows in the scales' dtype where they are exact in it, else float32 (e.g. GGUF Q8_0).
-        exact = format.scales_are_exact(layer.scales, bits)
+        exact = zp_format.scales_are_exact(layer.scales, bits)
         new = ZeroPointEmbedding(out_features, in_features, bits=bits, group_size=group_size,
                                  dtype=layer.scales.dtype if exact else mx.float32)
     else:
@@ -363,5 +363,5 @@ def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
                               group_size=group_size)
         if "bias" in layer:
             new.bias = layer.bias
-    new.weight, new.scales, new.zeros = layer.weight, layer.scales, mx.array(format.pack(z, bits))
+    new.weight, new.scales, new.zeros = layer.weight, layer.scales, mx.array(zp_format.pack(z, bits))
     return new

@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import format, rtn
+from mlxspec.quant import rtn, zp_format
 from mlxspec.quant.layers import is_quantized, replace_modules, zero_point_like
 
 HIGH_BITS = 8  # the width sensitive layers are promoted to
@@ -158,10 +158,10 @@ def plan_layers(
             plan[path] = None
             continue
         layer_group = rule.get("group_size", group_size)
-        format.check_spec(layer_bits, layer_group, layer_group)  # the values themselves
+        zp_format.check_spec(layer_bits, layer_group, layer_group)  # the values themselves
         in_features = module.weight.shape[-1]
         if in_features % layer_group:
-            fits = [g for g in format.SUPPORTED_GROUP_SIZES if in_features % g == 0]
+            fits = [g for g in zp_format.SUPPORTED_GROUP_SIZES if in_features % g == 0]
             if not group_fallback:
                 misfits.append((path, in_features))
                 continue
@@ -174,7 +174,7 @@ def plan_layers(
         plan[path] = LayerSpec(layer_bits, layer_group)
     if misfits:
         path, in_features = misfits[0]
-        fits = [g for g in format.SUPPORTED_GROUP_SIZES if in_features % g == 0]
+        fits = [g for g in zp_format.SUPPORTED_GROUP_SIZES if in_features % g == 0]
         others = f" and {len(misfits) - 1} other layers" if len(misfits) > 1 else ""
         raise QuantizationError(
             f"group size {group_size} does not divide in_features={in_features} of {path}"
@@ -250,7 +250,7 @@ def sensitivity_recipe(
 ) -> dict[str, Any]:
     """A recipe giving ``high_bits`` to the kinds of layers whose rounding costs the most KL per
     extra stored bit, while the storage averaged over the quantized weights stays within
-    ``target_bpw`` (see :func:`mlxspec.quant.format.bits_per_weight`).
+    ``target_bpw`` (see :func:`mlxspec.quant.zp_format.bits_per_weight`).
 
     Returns a recipe dict (as :func:`load_recipe`) with the measurements under ``sensitivity``.
     """
@@ -266,10 +266,10 @@ def sensitivity_recipe(
         n = modules[path].weight.size
         kind = layer_kind(path)
         weights[kind] += n
-        extra_bits[kind] += n * (format.bits_per_weight(high_bits, spec.group_size)
-                                 - format.bits_per_weight(spec.bits, spec.group_size))
+        extra_bits[kind] += n * (zp_format.bits_per_weight(high_bits, spec.group_size)
+                                 - zp_format.bits_per_weight(spec.bits, spec.group_size))
         total_weights += n
-        stored_bits += n * format.bits_per_weight(spec.bits, spec.group_size)
+        stored_bits += n * zp_format.bits_per_weight(spec.bits, spec.group_size)
     budget = target_bpw * total_weights - stored_bits
     if budget < 0:
         raise QuantizationError(

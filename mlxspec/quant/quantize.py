@@ -37,7 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import awq, format, gptq, rtn
+from mlxspec.quant import awq, gptq, rtn, zp_format
 from mlxspec.quant.calibrate import (
     CALIBRATION_BATCH,
     BlockQuantizer,
@@ -65,7 +65,7 @@ CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through th
 def _rtn_layer(module: nn.Module, spec: LayerSpec, grid: int, dtype: mx.Dtype) -> nn.Module:
     q, scales, zeros = rtn.quantize(
         np.array(module.weight.astype(mx.float32)), spec.bits, spec.group_size, grid=grid,
-        dtype=format.dtype_name(dtype),
+        dtype=zp_format.dtype_name(dtype),
     )
     return zero_point_like(module, q, scales, zeros, bits=spec.bits, group_size=spec.group_size,
                            dtype=dtype)
@@ -126,7 +126,7 @@ def quantize_model(
 
     Args:
         model: an unquantized mlx-lm model.
-        bits, group_size: defaults for every layer (see :mod:`mlxspec.quant.format`).
+        bits, group_size: defaults for every layer (see :mod:`mlxspec.quant.zp_format`).
         method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
         calibration_tokens: for ``gptq`` and ``awq``: token windows, ``(n, T)`` ints (list of lists or mx).
         recipe: a recipe dict, or a name/path for :func:`load_recipe`.
@@ -138,7 +138,7 @@ def quantize_model(
             :data:`mlxspec.quant.awq.DEFAULT_GRID` for the measurements).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of the scales and of
             every unquantized parameter (so of activations and KV cache); default the model's.
-            Scales are chosen exact in it (:mod:`mlxspec.quant.format`), so
+            Scales are chosen exact in it (:mod:`mlxspec.quant.zp_format`), so
             :func:`mlxspec.quant.storage.save_quantized` can write MLX's affine layout exactly.
         progress: show a rich progress bar (one step per layer).
 
@@ -151,10 +151,10 @@ def quantize_model(
         raise QuantizationError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
-    format.check_spec(bits, group_size, group_size)
+    zp_format.check_spec(bits, group_size, group_size)
     if grid is None:
         grid = awq.DEFAULT_GRID if method == "awq" else rtn.DEFAULT_GRID
-    dtype = getattr(mx, format.dtype_name(dtype if dtype is not None else model_dtype(model)))
+    dtype = getattr(mx, zp_format.dtype_name(dtype if dtype is not None else model_dtype(model)))
     plan = plan_layers(model, bits, group_size, recipe=recipe, group_fallback=group_fallback)
     calibration = None
     if method in CALIBRATED:
@@ -180,7 +180,7 @@ def quantize_model(
     quantization = {
         "format": ZP_FORMAT,  # in memory; save_quantized records the format it writes
         "method": method,
-        "dtype": format.dtype_name(dtype),
+        "dtype": zp_format.dtype_name(dtype),
         "bits": bits,
         "group_size": group_size,
         "act_order": bool(act_order and method == "gptq"),

@@ -1,10 +1,10 @@
 """Round-to-nearest quantization: min-max by default, with an optional per-group clipping search.
 
-For each group of ``group_size`` weights (see :mod:`mlxspec.quant.format`) the range ``[lo, hi]``
+For each group of ``group_size`` weights (see :mod:`mlxspec.quant.zp_format`) the range ``[lo, hi]``
 (which always contains 0, so that the zero-point ``z`` stays in ``[0, 2**bits - 1]``) gives a scale
 and an integer zero-point whose grid hits the range's larger-magnitude end exactly
 (:func:`edge_params`, as MLX's own affine quantizer does); the scale is an exact scale of the
-model's dtype (:func:`mlxspec.quant.format.round_scales`). Then
+model's dtype (:func:`mlxspec.quant.zp_format.round_scales`). Then
 ``q = clip(round(w / s) + z, 0, qmax)``.
 
 ``grid > 1`` also tries the range shrunk by ratios ``r`` in ``[min_ratio, 1]`` and keeps the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxspec.quant.format import check_spec, round_scales
+from mlxspec.quant.zp_format import check_spec, round_scales
 
 ROW_CHUNK = 512  # rows quantized at a time by quantize()
 DEFAULT_GRID = 1  # clipping ratios tried per group: 1 = min-max (see the module docstring)
@@ -99,7 +99,7 @@ def find_params(
         grid: number of clipping ratios tried, evenly spaced from 1 down to ``min_ratio``;
             1 gives plain min-max.
         dtype: the model's dtype (``"float16"``, ``"bfloat16"``, ``"float32"``): scales are
-            exact for the affine form in it (:func:`mlxspec.quant.format.round_scales`).
+            exact for the affine form in it (:func:`mlxspec.quant.zp_format.round_scales`).
 
     Returns:
         ``(scales, zeros)``: float32 ``(...,)`` scales (exact in ``dtype``) and float32
@@ -134,7 +134,7 @@ def quantize(
 
     Args:
         weight: ``(out_features, in_features)`` float (numpy or mx).
-        bits, group_size: see :mod:`mlxspec.quant.format`; ``in_features % group_size == 0``.
+        bits, group_size: see :mod:`mlxspec.quant.zp_format`; ``in_features % group_size == 0``.
         importance: optional float32 ``(in_features,)`` per-column weighting of the squared error
             (e.g. ``E[x**2]`` of the layer's inputs).
         grid: clipping ratios tried (1 = plain min-max).

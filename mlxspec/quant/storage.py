@@ -5,7 +5,7 @@ Formats (``config.json["quantization"]["format"]``):
 
 - ``"mlx"`` (default): MLX's affine layout (``weight``, ``scales``, ``biases`` in the model's
   dtype), plain mlx-lm ``quantization`` config. mlxspec's quantizers make it an exact encoding of
-  ``s * (q - z)`` (:mod:`mlxspec.quant.format`), so every MLX tool runs the same weights, and
+  ``s * (q - z)`` (:mod:`mlxspec.quant.zp_format`), so every MLX tool runs the same weights, and
   mlxspec recovers the integer zero-points on load (:func:`adopt_zero_points`) for its own kernels
   and CPU policy.
 - ``"zp"``: mlxspec's zero-point layout (integer ``zeros``), for what cannot be exact in MLX's
@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from mlxspec.errors import CorruptModelError, OutputExistsError, QuantizationError
-from mlxspec.quant import format
+from mlxspec.quant import zp_format
 from mlxspec.quant.layers import (
     MLX_QUANTIZED_LAYERS,
     ZeroPointEmbedding,
@@ -58,7 +58,7 @@ def quantization_record(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def is_zero_point_config(config: dict[str, Any]) -> bool:
-    """True for a model saved in mlxspec's zero-point format."""
+    """True for a model saved in mlxspec's zero-point zp_format."""
     q = config.get("quantization")
     return isinstance(q, dict) and q.get("format") == ZP_FORMAT
 
@@ -203,12 +203,12 @@ def to_mlx_affine_model(model: nn.Module) -> nn.Module:
                 f"{path} was quantized with act-order, which MLX's affine format cannot express: "
                 "save it with --format zp, or quantize without --act-order"
             )
-        if not format.scales_are_exact(layer.scales, layer.bits):
+        if not zp_format.scales_are_exact(layer.scales, layer.bits):
             raise QuantizationError(
-                f"{path}: its {format.dtype_name(layer.scales.dtype)} scales do not make MLX's "
+                f"{path}: its {zp_format.dtype_name(layer.scales.dtype)} scales do not make MLX's "
                 "affine layout exact: save it with --format zp"
             )
-        weight, scales, biases = format.to_mlx_affine(
+        weight, scales, biases = zp_format.to_mlx_affine(
             layer.weight, layer.scales, layer.zeros, layer.bits, layer.group_size
         )
         if isinstance(layer, ZeroPointEmbedding):
@@ -292,7 +292,7 @@ def save_quantized(
         raise OutputExistsError(f"{out_dir} exists: pass --force to overwrite it")
     record = {**quantization, **(extra or {}), "format": output_format}
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    dtype = format.dtype_name(model_dtype(model))
+    dtype = zp_format.dtype_name(model_dtype(model))
     config["torch_dtype"] = dtype
     if output_format == MLX_FORMAT:
         to_mlx_affine_model(model)
