@@ -13,18 +13,10 @@ from mlxspec.errors import DefaultModelMissingError
 from mlxspec.load import DEFAULT_MODEL_NAME, default_model_path
 
 
-def recipes() -> dict[str, dict[str, Any]]:
-    """The JSON recipes shipped in ``models/`` (installed as ``mlxspec.recipes``), by file stem."""
-    out = {}
-    for entry in files("mlxspec.recipes").iterdir():
-        if entry.name.endswith(".json"):
-            out[entry.name[: -len(".json")]] = json.loads(entry.read_text())
-    return out
-
-
 def known_pairs() -> list[dict[str, Any]]:
-    """Known target/draft pairs (Hub ids) from the ``pairs`` recipe."""
-    return recipes().get("pairs", {}).get("pairs", [])
+    """Known target/draft pairs (Hub ids): ``models/draft_pairs.json``, installed as
+    ``mlxspec.recipes``."""
+    return json.loads((files("mlxspec.recipes") / "draft_pairs.json").read_text()).get("pairs", [])
 
 
 def _printable(text: str) -> str:

@@ -1,1 +1,2 @@
-"""Model recipes as data (JSON): known target/draft pairs, mixed-precision quantization recipes."""
+"""Model recipes as data (JSON): ``draft_pairs.json`` (known target/draft pairs) and
+``quantization/*.json`` (mixed-precision quantization recipes, by name: ``--mixed embed8``)."""

@@ -3,7 +3,8 @@
 A *plan* maps every quantizable layer path (each ``nn.Linear`` and ``nn.Embedding``; a tied output
 head is the embedding) to a :class:`LayerSpec` or None (left in float).
 
-- Recipes are JSON (``models/*.json``, installed as ``mlxspec.recipes``; :func:`load_recipe`).
+- Recipes are JSON (``models/quantization/*.json``, installed as ``mlxspec.recipes``;
+  :func:`load_recipe`).
 - :func:`sensitivity_recipe` measures, for each *kind* of layer (``model.layers.*.mlp.down_proj``,
   ``model.embed_tokens``, ...), the mean KL divergence from the float model when only that kind is
   rounded to the low bit width, on a few calibration windows; then it gives the high bit width to
@@ -52,10 +53,11 @@ def load_recipe(name_or_path: str | Path) -> dict[str, Any]:
     """
     path = Path(name_or_path)
     if not path.is_file():
-        packaged = resources.files("mlxspec.recipes") / f"{name_or_path}.json"
+        packaged = resources.files("mlxspec.recipes") / "quantization" / f"{name_or_path}.json"
         if not packaged.is_file():
             names = sorted(
-                p.name[:-5] for p in resources.files("mlxspec.recipes").iterdir()
+                p.name[:-5]
+                for p in (resources.files("mlxspec.recipes") / "quantization").iterdir()
                 if p.name.endswith(".json") and _is_recipe(json.loads(p.read_text()))
             )
             raise QuantizationError(

@@ -9,7 +9,7 @@ the model's dtype (so :func:`mlxspec.quant.storage.save_quantized` writes MLX's 
 
 Which layers get which bits is a *plan*: every ``nn.Linear`` and ``nn.Embedding`` (a tied output
 head is the embedding) at ``bits``/``group_size``, unless a recipe rule says otherwise
-(:func:`load_recipe`; JSON files in ``models/``, installed as ``mlxspec.recipes``).
+(:func:`load_recipe`; JSON files in ``models/quantization/``, installed as ``mlxspec.recipes``).
 
 Methods:
 
