@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +32,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, TextStateMachine
-from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.generate import SamplingParams, token_generator
+from mlxspec.generate import token_generator
+from mlxspec.sampling import SamplingParams, check_seed
 from mlxspec.speculative import make_drafter
 
 EMA = 0.2  # weight of the newest measurement in the rate averages
@@ -72,6 +79,12 @@ class Request:
     top_logprobs: int = 0
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, where every caller (serve, batch, Python) builds a request: a bad value
+        # is that request's InvalidArgumentError, never an exception inside the shared batch step.
+        _ = self.sampling
+        check_seed(self.seed)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -166,7 +179,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
-        self.draft = draft
+        # The hand-over between the batch and the lone speculative stream trims the KV cache by
+        # one token; a sliding-window cache cannot be trimmed once it has wrapped, so a model
+        # with one (Gemma-2/3) decodes in the batch only.
+        windowed = any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(model))
+        if windowed and draft is not None:
+            warnings.warn("this model has sliding-window layers: serving without speculation "
+                          "(its KV cache cannot step back once the window wraps)", stacklevel=2)
+        self.draft = None if windowed else draft
         self.num_draft_tokens = num_draft_tokens
         self.generator = BatchGenerator(
             model,
@@ -211,8 +231,10 @@ class Engine:
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(id(self.model), rest)
             if cache is not None and not rest:  # all cached: feed the last prompt token again
-                trim_prompt_cache(cache, 1)
-                rest = request.prompt[-1:]
+                if trim_prompt_cache(cache, 1) == 1:
+                    rest = request.prompt[-1:]
+                else:  # a cache that cannot step back (a wrapped window): prefill afresh
+                    cache, rest = None, list(request.prompt)
         stream.cached_tokens = len(request.prompt) - len(rest)
         self.streams[stream.rid] = stream
         self.peak_streams = max(self.peak_streams, len(self.streams))
@@ -334,7 +356,8 @@ class Engine:
             self._solo = None
             solo.tokens.close()
             held = _trim_to(solo.cache, len(stream.tokens) - 1)
-            self._remember(stream.tokens[:held], solo.cache)
+            if held is not None:
+                self._remember(stream.tokens[:held], solo.cache)
         return [event]
 
     # -- shared bookkeeping ----------------------------------------------------------------------
@@ -413,11 +436,12 @@ class Engine:
             self.prompt_cache.insert_cache(id(self.model), list(tokens), cache)
 
 
-def _trim_to(cache: list[Any], length: int) -> int:
-    """Trim a KV cache to hold at most ``length`` tokens; returns how many it holds."""
+def _trim_to(cache: list[Any], length: int) -> int | None:
+    """Trim a KV cache to hold at most ``length`` tokens; returns how many it holds, or None when
+    it cannot step back that far (mlx-lm's trim then does nothing)."""
     excess = cache[0].offset - length
-    if excess > 0:
-        trim_prompt_cache(cache, excess)
+    if excess > 0 and trim_prompt_cache(cache, excess) != excess:
+        return None
     return cache[0].offset
 
 

@@ -18,7 +18,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.chat import chat_prompt
 from mlxspec.engine import Event, Request
+from mlxspec.errors import InvalidArgumentError
 from mlxspec.generate import encode_prompt
+from mlxspec.sampling import check_seed
 
 MAX_STOP = 16  # stop strings per request
 MAX_TOP_LOGPROBS = 20
@@ -109,12 +111,23 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def _vocab_size(tokenizer: TokenizerWrapper) -> int:
+    return len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 1 << 31
+
+
+def _encode(tokenizer: TokenizerWrapper, text: str, param: str) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, text).tolist()
+    except InvalidArgumentError as e:  # not valid Unicode, or no tokens at all
+        raise ApiError(str(e), param=param) from None
+
+
 def _prompt_ids(body: dict, kind: str, tokenizer: TokenizerWrapper) -> list[int]:
     if kind == "chat":
         messages = _messages(body)
         if not tokenizer.chat_template:  # mlx-lm's plain fallback: role: content lines
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return encode_prompt(tokenizer, text).tolist()
+            return _encode(tokenizer, text, "messages")
         try:
             return chat_prompt(tokenizer, messages)
         except Exception as e:  # the template rejected the conversation (e.g. role order)
@@ -123,8 +136,8 @@ def _prompt_ids(body: dict, kind: str, tokenizer: TokenizerWrapper) -> list[int]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return encode_prompt(tokenizer, prompt).tolist()
-    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 1 << 31
+        return _encode(tokenizer, prompt, "prompt")
+    vocab = _vocab_size(tokenizer)
     if isinstance(prompt, list) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
     ):
@@ -173,11 +186,16 @@ def parse_completion(
             bias = {int(k): float(v) for k, v in bias.items()}
         except (AttributeError, TypeError, ValueError) as e:
             raise ApiError("logit_bias must map token ids to numbers", param="logit_bias") from e
+        vocab = _vocab_size(tokenizer)
+        if not all(0 <= k < vocab for k in bias):
+            raise ApiError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
     penalty = body.get("repetition_penalty")
     penalty = _number(body, "repetition_penalty", 0.0, 0.0, 10.0) if penalty else None
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError("seed must be an integer", param="seed")
+    try:
+        check_seed(seed)
+    except InvalidArgumentError as e:
+        raise ApiError(str(e), param="seed") from None
 
     prompt = _prompt_ids(body, kind, tokenizer)
     room = limits.max_context - len(prompt)

@@ -69,7 +69,13 @@ class SamplingParams:
         """
         if seed is None or self.greedy:
             top_p = self.top_p if self.top_p < 1.0 else 0.0
-            return make_sampler(self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+            sampler = make_sampler(self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+            if self.top_k == 0:
+                return sampler
+            # mlx-lm refuses top_k >= vocab; keeping the top k of fewer tokens keeps them all.
+            keep_all = make_sampler(self.temp, top_p=top_p, min_p=self.min_p, top_k=0)
+            return lambda logprobs: (
+                keep_all if self.top_k >= logprobs.shape[-1] else sampler)(logprobs)
         next_position = position
 
         def keyed(logprobs: mx.array) -> mx.array:
@@ -120,7 +126,7 @@ def processed_logprobs(logprobs: mx.array, sampling: SamplingParams) -> mx.array
         logprobs = apply_top_p(logprobs, sampling.top_p)
     if sampling.min_p != 0.0:
         logprobs = apply_min_p(logprobs, sampling.min_p)
-    if sampling.top_k > 0:
+    if 0 < sampling.top_k < logprobs.shape[-1]:  # k >= vocab keeps every token
         logprobs = apply_top_k(logprobs, sampling.top_k)
     # mlx-lm samples categorical(logprobs * (1 / temp)); normalize that to log-probabilities.
     return normalized_logprobs(logprobs.astype(mx.float32) * (1.0 / sampling.temp))

@@ -109,8 +109,11 @@ class EngineThread(threading.Thread):
                 try:
                     ticket.rid = self.engine.submit(ticket.completion.request)
                     self.tickets[ticket.rid] = ticket
-                except ValueError as e:
+                except ValueError as e:  # InvalidArgumentError included: the request's fault
                     ticket.events.put(ApiError(str(e)))
+                except Exception as e:  # noqa: BLE001  one request must never stop the engine
+                    ticket.events.put(ApiError(f"the request could not start: {e}", status=500,
+                                               kind="server_error"))
             try:
                 ticket = self.inbox.get_nowait()
             except queue.Empty:
@@ -123,6 +126,9 @@ class EngineThread(threading.Thread):
         self.tickets.clear()
         while not self.inbox.empty():
             self.inbox.get_nowait().events.put(ApiError(message, status=503, kind="server_error"))
+
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
 class Server:
@@ -259,6 +265,16 @@ class _Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
+    def _host_allowed(self) -> bool:
+        """On a loopback address, only loopback names in Host (DNS rebinding); any Host when the
+        user chose another address with --host."""
+        bound = self.owner.httpd.server_address[0]
+        if bound not in LOOPBACK_HOSTS:
+            return True
+        host = self.headers.get("Host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        return name.strip("[]").lower() in LOOPBACK_HOSTS
+
     def _client_gone(self) -> bool:
         """Whether the client closed its side (a readable socket with nothing to read)."""
         try:
@@ -297,6 +313,16 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             self._send_error(ApiError("invalid API key", 401, kind="authentication_error"))
             return
+        # A web page can send a "simple" cross-site POST (text/plain, no preflight) to a server on
+        # loopback, and with DNS rebinding a foreign Host: both are refused.
+        if self.headers.get("Content-Type", "").split(";")[0].strip().lower() != "application/json":
+            self._send_error(ApiError("send the body as Content-Type: application/json", 415,
+                                      kind="invalid_request_error"))
+            return
+        if not self._host_allowed():
+            self._send_error(ApiError("unexpected Host header for a loopback server", 403,
+                                      kind="permission_error"))
+            return
         if self.owner.draining:
             self._send_error(ApiError("the server is shutting down", 503, kind="server_error"))
             return
@@ -334,7 +360,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _events(self, ticket: Ticket):
         """Events of the ticket as they come; cancels it if the client goes away."""
+        checked = time.monotonic()
         while True:
+            if time.monotonic() - checked >= POLL_SECONDS:  # also while tokens keep coming
+                checked = time.monotonic()
+                if self._client_gone():
+                    ticket.cancelled = True
+                    return
             try:
                 item = ticket.events.get(timeout=POLL_SECONDS)
             except queue.Empty:

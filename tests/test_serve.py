@@ -218,6 +218,36 @@ def test_malformed_requests_get_a_json_error(server, body, status, words):
     assert got == status and words in data["error"]["message"]
 
 
+@pytest.mark.parametrize("body", [
+    {"prompt": "hi", "seed": -1},  # a bad seed used to kill the engine thread
+    {"prompt": "hi", "seed": 2**70},
+    {"prompt": "hi", "logit_bias": {"99999999999999999999": 1}},
+    {"prompt": "hi", "logit_bias": {"-3": 1}},
+    {"prompt": "\ud800"},  # not valid Unicode: a 400, not a dropped connection
+])
+def test_bad_values_are_that_request_s_400_and_the_server_goes_on(server, client, body):
+    status, data = _post(server, "/v1/completions", json.dumps({**body, "max_tokens": 2}).encode())
+    assert status == 400 and data["error"]["message"], data
+    assert client.completions.create(model="smollm2", prompt="hi", max_tokens=2).choices
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token(server, client):
+    greedy = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4)
+    wide = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4,
+                                     extra_body={"top_k": 10**6})
+    assert wide.choices[0].text == greedy.choices[0].text  # temperature 0: top_k changes nothing
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"Content-Type": "text/plain"}, 415),  # a cross-site "simple" POST (no CORS preflight)
+    ({"Host": "evil.example"}, 403),  # DNS rebinding onto the loopback server
+])
+def test_cross_site_posts_are_refused(server, headers, status):
+    got, data = _post(server, "/v1/chat/completions", json.dumps({"messages": CHAT}).encode(),
+                      headers=headers)
+    assert got == status and data["error"]["message"]
+
+
 def test_api_key_is_required_but_health_is_open(server):
     status, data = _post(server, "/v1/chat/completions", json.dumps({"messages": CHAT}).encode(),
                          key="wrong")
@@ -240,7 +270,7 @@ def test_only_allowed_web_origins_get_cors_headers(server, origin, allowed):
 def test_disconnecting_clients_free_their_slots_and_the_limit_holds(server, client):
     assert _wait_idle(server)
     body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 256, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     socks = []
     for _ in range(3):  # the limit: three open requests, streaming
