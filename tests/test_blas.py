@@ -407,8 +407,9 @@ def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
         other.kill()
         other.wait()
     assert alone < baseline + 1, (alone, baseline)
-    assert with_other >= baseline + 1 or with_other >= (os.cpu_count() or 1), (
-        with_other, baseline)
+    # The spinning child is runnable in every snapshot (running or waiting for a core); what
+    # else was running at baseline may have stopped meanwhile, so it is not added here.
+    assert with_other >= 1, (with_other, baseline)
 
 
 def test_import_mlxspec_does_not_wait_to_size_the_threads():
