@@ -58,6 +58,7 @@ from mlxspec.gguf_tokenizer import (
     eos_token_ids,
     tokenizer_config,
 )
+from mlxspec.progress import progress_bar
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
 CONVERTER_VERSION = 2  # 2: GGUF blocks kept quantized where the device prefers (gguf_quant)
@@ -235,8 +236,6 @@ def save_weights(
     Tensors are streamed one at a time (peak memory: one tensor), matrices cast to ``dtype`` and
     vectors (norms, biases) kept float32.
     """
-    from rich.progress import Progress
-
     plan, offset = {}, 0  # HF name -> (GGUF tensor, safetensors dtype, byte range)
     for name, tensor in gguf.tensors.items():
         kind = _SAFETENSORS_DTYPES[dtype if len(tensor.shape) > 1 else "float32"]
@@ -249,13 +248,13 @@ def save_weights(
     }
     header_bytes = json.dumps({"__metadata__": {"format": "mlx"}, **header}).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f, Progress(transient=True, disable=not progress) as bar:
+    with (open(path, "wb") as f,
+          progress_bar("Dequantizing GGUF tensors", len(plan), progress) as advance):
         f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
-        task = bar.add_task("Dequantizing GGUF tensors", total=len(plan))
         for tensor, kind, _ in plan.values():
             w = arch.fix_weight(tensor.name, tensor.dequantize(), config)
             f.write(memoryview(np.ascontiguousarray(_cast(w, kind))).cast("B"))
-            bar.advance(task)
+            advance()
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}

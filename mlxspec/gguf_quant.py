@@ -41,6 +41,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K as GGUFQ4K
 
 from mlxspec.errors import UnsupportedModelError
+from mlxspec.progress import progress_bar
 from mlxspec.quant import zp_format
 
 MODE_ENV = "MLXSPEC_GGUF_WEIGHTS"  # "auto" (default), "dense" or "quantized"
@@ -169,14 +170,11 @@ def save_weights(
         default, per-layer entries for other widths) plus ``format``, ``source`` and
         ``dequantized`` (the GGUF types that were dequantized).
     """
-    from rich.progress import Progress
-
     float_dtype = getattr(mx, dtype)
     arrays: dict[str, mx.array] = {}
     quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
     dequantized: set[str] = set()
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("Importing GGUF tensors", total=len(gguf.tensors))
+    with progress_bar("Importing GGUF tensors", len(gguf.tensors), progress) as advance:
         for name, tensor in gguf.tensors.items():
             hf = names[name]
             module = hf.rsplit(".", 1)[0]
@@ -191,7 +189,7 @@ def save_weights(
                     dequantized.add(tensor.qtype.name)
                 w = mx.array(fix_weight(name, tensor.dequantize(), config))
                 arrays[hf] = w.astype(float_dtype if w.ndim > 1 else mx.float32)
-            bar.advance(task)
+            advance()
     mx.save_safetensors(str(path), arrays, metadata={"format": "mlx"})
     return {**quantization, "format": "mlx", "source": "gguf",
             "dequantized": sorted(dequantized)}

@@ -100,7 +100,7 @@ def test_mlx_lm_generate_gives_mlxspec_greedy_tokens_in_the_chosen_dtype(saved, 
 
     from mlxspec.generate import generate
 
-    tokens = 3 if "smollm2" in saved["dir"].name else 2  # Gemma-3's 262k-row head is slow here
+    tokens = 2  # the prefill's token and one decode step: MLX's CPU fp16 quantized head is slow
     model, tokenizer = mlx_lm.load(str(saved["dir"]))
     cache = make_prompt_cache(model)
     theirs = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=tokens, prompt_cache=cache)
@@ -118,11 +118,11 @@ def test_calibrated_quantization_beats_round_to_nearest(saved, float_model):
     from mlxspec.evaluation import builtin_windows, compare
 
     reference, tokenizer = float_model
-    windows = builtin_windows(tokenizer, windows=1, window_tokens=256)
+    windows = builtin_windows(tokenizer, windows=1, window_tokens=160)
     calibrated, _ = load(str(saved["dir"]))
     rtn_model, _ = load(str(saved["source"]))
     quantize_model(rtn_model, bits=4, group_size=64, method="rtn", dtype=saved["dtype_name"],
                    group_fallback=True)
     ours, rtn = compare(calibrated, reference, windows), compare(rtn_model, reference, windows)
     assert ours["kl_mean"] < 0.9 * rtn["kl_mean"], (ours, rtn)
-    assert ours["top1_agreement"] >= rtn["top1_agreement"] - 3  # 255 tokens: 1 token = 0.4
+    assert ours["top1_agreement"] >= rtn["top1_agreement"] - 3  # 159 tokens: 1 token = 0.6

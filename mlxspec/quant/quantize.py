@@ -37,6 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxspec.errors import QuantizationError
+from mlxspec.progress import progress_bar
 from mlxspec.quant import awq, gptq, rtn, zp_format
 from mlxspec.quant.calibrate import (
     CALIBRATION_BATCH,
@@ -165,7 +166,7 @@ def quantize_model(
             raise QuantizationError("calibration_tokens must be (windows, tokens) token ids")
     layers = quantizable_layers(model)
     todo = [p for p, spec in plan.items() if spec is not None]
-    with _progress(len(todo), progress, f"quantizing ({method}, {bits}-bit)") as advance:
+    with progress_bar(f"quantizing ({method}, {bits}-bit)", len(todo), progress) as advance:
         done = set()
         if calibration is not None:
             step = (gptq.GPTQ(act_order=act_order, damp=damp, grid=grid, dtype=dtype)
@@ -194,28 +195,6 @@ def quantize_model(
     }
     quantization["mlxspec_version"] = version("mlxspec")
     return model, quantization
-
-
-class _progress:
-    """A rich progress bar over ``total`` layers; yields an ``advance()`` callable."""
-
-    def __init__(self, total: int, show: bool, description: str):
-        self.total, self.show, self.description = total, show, description
-
-    def __enter__(self):
-        if not self.show:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self.bar = Progress("[progress.description]{task.description}", BarColumn(),
-                            MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
-        self.bar.start()
-        task = self.bar.add_task(self.description, total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc):
-        if self.show:
-            self.bar.stop()
 
 
 def bits_per_weight(model: nn.Module) -> float:
