@@ -31,15 +31,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, TextStateMachine
-from mlx_lm.models.cache import (
-    LRUPromptCache,
-    RotatingKVCache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlxspec.cache import make_cache, trim_cache
 from mlxspec.engine_requests import Event, Request
 from mlxspec.generate import token_generator
 from mlxspec.sampling import SamplingParams
@@ -121,7 +117,7 @@ class Engine:
         # The hand-over between the batch and the lone speculative stream trims the KV cache by
         # one token; a sliding-window cache cannot be trimmed once it has wrapped, so a model
         # with one (Gemma-2/3) decodes in the batch only.
-        windowed = any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(model))
+        windowed = any(isinstance(c, RotatingKVCache) for c in make_cache(model))
         if windowed and draft is not None:
             warnings.warn("this model has sliding-window layers: serving without speculation "
                           "(its KV cache cannot step back once the window wraps)", stacklevel=2)
@@ -170,7 +166,7 @@ class Engine:
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(id(self.model), rest)
             if cache is not None and not rest:  # all cached: feed the last prompt token again
-                if trim_prompt_cache(cache, 1) == 1:
+                if trim_cache(cache, 1):
                     rest = request.prompt[-1:]
                 else:  # a cache that cannot step back (a wrapped window): prefill afresh
                     cache, rest = None, list(request.prompt)
@@ -377,9 +373,9 @@ class Engine:
 
 def _trim_to(cache: list[Any], length: int) -> int | None:
     """Trim a KV cache to hold at most ``length`` tokens; returns how many it holds, or None when
-    it cannot step back that far (mlx-lm's trim then does nothing)."""
+    it cannot step back that far (a wrapped sliding-window cache)."""
     excess = cache[0].offset - length
-    if excess > 0 and trim_prompt_cache(cache, excess) != excess:
+    if not trim_cache(cache, excess):
         return None
     return cache[0].offset
 
