@@ -178,12 +178,22 @@ def exactness_cost(name: str, windows: int, cases=((4, 64), (8, 64))) -> list[di
     return rows
 
 
-def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_size: int = 64,
-                   tools=("gptq", "awq")) -> list[dict]:
-    """mlx-lm's own learned quantizers (``mlx_lm.gptq``, ``mlx_lm.awq``) on the same float source,
-    calibrated on mlxspec's calibration text (placed at ``~/.cache/mlx-lm/calibration_v5.txt``,
-    where they read it offline), timed, saved, reloaded with mlx-lm and evaluated like every
-    other row. Slow: mlx_lm.awq took 47 min on SmolLM2 on this 2-core machine."""
+ANCHOR_CASES = ((4, 64), (4, 32), (8, 64))
+# mlx-lm's quantizers run in a child process; importing mlxspec first gives them the same
+# OpenBLAS as every other row (plain `python -m` keeps MLX's slow reference BLAS on Linux).
+_RUN_WITH_MLXSPEC_BLAS = ("import sys, runpy, mlxspec; sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
+                          "runpy.run_module(sys.argv[0], run_name='__main__')")
+
+
+def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
+            methods=("rtn", "gptq", "awq"), rows_file: str | None = None) -> list[dict]:
+    """mlx-lm's own learned quantizers (``mlx_lm.quant.gptq`` / ``mlx_lm.quant.awq``) against
+    mlxspec's ``quantize_to_dir`` at the same bits, group size and storage: both write MLX affine
+    directories from the same float32 source with float32 scales and biases (equal bits per
+    weight), both calibrate on mlxspec's calibration text (mlx-lm reads it offline from
+    ``~/.cache/mlx-lm/calibration_v5.txt``), each with its own default amount of it; both are
+    loaded back from disk and evaluated on the held-out evaluation text against the source.
+    Rows are appended to ``rows_file`` as they finish (the whole run takes hours on 2 cores)."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -192,34 +202,50 @@ def mlx_lm_anchors(name: str, windows: int, out_root: str, bits: int = 4, group_
     from mlxspec.load import load, resolve_model_path
     from mlxspec.quant import calibrate
     from mlxspec.quant import quantize as q
+    from mlxspec.quantize_flow import quantize_to_dir
 
     source = resolve_model_path(model_spec(name))
     target = Path.home() / ".cache" / "mlx-lm" / "calibration_v5.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.exists():
-        shutil.copy(calibrate.builtin_calibration_path(), target)
+    shutil.copy(calibrate.builtin_calibration_path(), target)
     reference, tokenizer = load(str(source))
     cached = CachedLogits(reference)
     eval_windows = builtin_windows(tokenizer, windows=windows)
+    jobs = [(bits, gs, m) for bits, gs in cases for m in methods]
+    jobs += [(bits, gs, f"mlx_lm.{t}") for bits, gs in cases for t in tools]
     rows = []
-    for tool in tools:
-        out = Path(out_root) / f"{name}-mlx_lm-{tool}-{bits}g{group_size}"
-        extra = (["--fallback-bits", str(bits), "--fallback-group-size", str(group_size)]
-                 if tool == "gptq" else ["--embed-bits", str(bits),
-                                         "--embed-group-size", str(group_size)])
+    for bits, group_size, method in sorted(jobs, key=lambda j: (j[0], -j[1])):
+        out = Path(out_root) / f"{name}-{method}-{bits}g{group_size}"
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", f"mlx_lm.quant.{tool}", "--model", str(source),
-                        "--mlx-path", str(out), "--bits", str(bits), "--group-size",
-                        str(group_size), *extra], check=True)
+        if method.startswith("mlx_lm."):
+            tool = method.split(".")[1]
+            extra = (["--fallback-bits", str(bits), "--fallback-group-size", str(group_size)]
+                     if tool == "gptq" else ["--embed-bits", str(bits),
+                                             "--embed-group-size", str(group_size)])
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run([sys.executable, "-c", _RUN_WITH_MLXSPEC_BLAS, f"mlx_lm.quant.{tool}",
+                            "--model", str(source), "--mlx-path", str(out), "--bits", str(bits),
+                            "--group-size", str(group_size), *extra], check=True)
+        else:
+            quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=method,
+                            dtype="float32", group_fallback=True, force=True, evaluate=False,
+                            progress=False)
         seconds = time.perf_counter() - start
         model, _ = load(str(out))
         result = compare(model, cached, eval_windows)
-        row = {"model": name, "method": f"mlx_lm.{tool}", "bits": bits, "group_size": group_size,
+        row = {"model": name, "method": method, "bits": bits, "group_size": group_size,
                "bits_per_weight": round(q.bits_per_weight(model), 3),
+               "weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
                "quantize_seconds": round(seconds, 1),
-               **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity")}}
+               **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
+                                         "reference_perplexity")}}
         print(json.dumps(row), file=sys.stderr, flush=True)
+        if rows_file:
+            with open(rows_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
         rows.append(row)
+        del model
+        gc.collect()
     return rows
 
 
@@ -350,7 +376,13 @@ def main() -> None:
                         help="comma-separated mlx-lm learned quantizers to run too: gptq,awq "
                              "(slow: mlx_lm.awq took 47 min on SmolLM2 here)")
     parser.add_argument("--anchor-dir", default="bench-anchors",
-                        help="where the mlx-lm anchors' models are written")
+                        help="where the anchors' models (mlx-lm's and mlxspec's) are written")
+    parser.add_argument("--anchor-cases", default="4g64,4g32,8g64",
+                        help="bits and group sizes of the anchor comparison")
+    parser.add_argument("--anchor-methods", default="rtn,gptq,awq",
+                        help="mlxspec's methods in the anchor comparison")
+    parser.add_argument("--anchor-rows", default=None,
+                        help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
 
@@ -379,9 +411,12 @@ def main() -> None:
         result["exactness_cost"] = [r for n in names for r in exactness_cost(n, args.windows)]
     if args.mlx_lm_anchors:
         tools = args.mlx_lm_anchors.split(",")
-        result["mlx_lm_anchors"] = [r for n in names
-                                    for r in mlx_lm_anchors(n, args.windows, args.anchor_dir,
-                                                            tools=tools)]
+        cases = [tuple(int(x) for x in c.split("g")) for c in args.anchor_cases.split(",")]
+        result["mlx_lm_anchors"] = [
+            r for n in names
+            for r in anchors(n, args.windows, args.anchor_dir, cases=cases, tools=tools,
+                             methods=args.anchor_methods.split(","), rows_file=args.anchor_rows)
+        ]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))
 

@@ -92,7 +92,13 @@ def evaluation_record(model_dir: Path) -> dict[str, Any] | None:
     return record
 
 
-def _safetensors_header(path: Path) -> dict[str, Any]:
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensor table of a ``.safetensors`` file: name -> {"dtype", "shape", ...} (metadata
+    left out), read from its header without loading a tensor.
+
+    Raises:
+        CorruptModelError: the header is unreadable or a tensor has no valid shape.
+    """
     try:
         with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -124,7 +130,7 @@ def weight_stats(model_dir: Path, config: dict[str, Any]) -> dict[str, float]:
     size = 0
     for path in sorted(model_dir.glob("*.safetensors")):
         size += path.stat().st_size
-        tensors.update(_safetensors_header(path))
+        tensors.update(safetensors_header(path))
     q = quantization(config) or {}
     n_bytes = n_weights = 0
     for name, info in tensors.items():

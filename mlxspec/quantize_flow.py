@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -326,8 +325,10 @@ def _source_name(model: ModelSpec) -> str:
 def _weight_count(model_dir: Path) -> int:
     """Number of weights in the safetensors of ``model_dir`` or in a ``.gguf`` file (read from
     their headers)."""
+    from mlxspec.card import safetensors_header
+    from mlxspec.errors import CorruptModelError, MlxspecError
+
     if model_dir.is_file() and model_dir.suffix == ".gguf":
-        from mlxspec.errors import MlxspecError
         from mlxspec.gguf_reader import read_gguf
 
         try:
@@ -337,15 +338,8 @@ def _weight_count(model_dir: Path) -> int:
     count = 0
     for path in model_dir.glob("*.safetensors"):
         try:
-            with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error):
-            continue
-        for name, info in header.items():
-            if name != "__metadata__" and isinstance(info, dict):
-                size = 1
-                for dim in info.get("shape", []):
-                    size *= int(dim)
-                count += size
+            header = safetensors_header(path)
+        except CorruptModelError:
+            continue  # loading it names the problem
+        count += sum(math.prod(info["shape"]) for info in header.values())
     return count

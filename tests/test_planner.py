@@ -30,10 +30,11 @@ class Machine:
     prompt: int = 64  # tokens the drafter must catch up on before its first draft
     spike: float = 0.0  # extra seconds of the first speculative pass (a kernel compiled for it)
     noise: float = 0.0  # sigma of a lognormal factor on every measured time
+    tokens: int = TOKENS  # tokens generated
 
 
 def simulate(machine: Machine, num_draft_tokens: int | str, seed: int = 0) -> float:
-    """Tokens per second of a ``TOKENS``-token generation on ``machine``."""
+    """Tokens per second of a ``machine.tokens``-token generation on ``machine``."""
     m, rng = machine, np.random.default_rng(seed)
     planner = DraftLengthPlanner(num_draft_tokens, m.draft, m.catch_up or None)
     planner.observe_prefill(m.prompt, m.step + m.per_token * m.prompt)
@@ -43,8 +44,8 @@ def simulate(machine: Machine, num_draft_tokens: int | str, seed: int = 0) -> fl
 
     clock, generated, unseen = 0.0, 0, m.prompt
     first_speculative = True
-    while generated < TOKENS:
-        left = TOKENS - generated
+    while generated < m.tokens:
+        left = m.tokens - generated
         k = planner.choose(left - 1, unseen)
         if k == 0:
             for _ in range(planner.plain_stretch(left)):
@@ -76,6 +77,9 @@ SCENARIOS = {
     "noisy timings": Machine(noise=0.3),
     "noisy timings, CPU-like": Machine(per_token=0.002, draft=0.003, acceptance=0.9, noise=0.3),
     "bad drafts": Machine(acceptance=0.05),
+    # bench/speculative.py's "bad draft" row: 4 of the target's 30 layers, a 128-token answer
+    "bad drafts, short answer": Machine(draft=0.0015, per_token=0.0005, acceptance=0.15,
+                                        tokens=128),
     "prompt lookup, long prompt": Machine(draft=0.0, acceptance=0.6, prompt=30_000),
     "draft model, long prompt to catch up": Machine(
         draft=0.002, per_token=0.0005, acceptance=0.7, catch_up=0.0002, prompt=3000
