@@ -37,7 +37,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.cache import make_cache, trim_cache
 from mlxspec.engine_requests import Event, Request
-from mlxspec.generate import token_generator
+from mlxspec.generate import stop_text_state, token_generator
 from mlxspec.sampling import SamplingParams
 from mlxspec.speculative import make_drafter
 
@@ -153,12 +153,11 @@ class Engine:
             raise ValueError("max_tokens must be at least 1")
         if request.seed is not None:
             mx.random.seed(request.seed)
-        stop = [s for s in request.stop if s]
         stream = _Stream(
             rid=next(self._ids),
             request=request,
             detokenizer=self.tokenizer.detokenizer,
-            text_state=TextStateMachine({"normal": [(s, None) for s in stop]}).make_state(),
+            text_state=stop_text_state(request.stop),
             processors=make_logits_processors(request.logit_bias, request.repetition_penalty),
             tokens=list(request.prompt),
         )

@@ -17,7 +17,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, wired_limit
+from mlx_lm.generate import (
+    GenerationResponse,
+    TextStateMachine,
+    generate_step,
+    generation_stream,
+    wired_limit,
+)
 from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -162,34 +168,12 @@ def _with_history(processor: LogitsProcessor, before: mx.array) -> LogitsProcess
     return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
 
-class _StopMatcher:
-    """Holds back streamed text that may be the start of a stop string."""
-
-    def __init__(self, stop: Sequence[str]):
-        self.stop = [s for s in stop if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was reached)."""
-        self.pending += text
-        for s in self.stop:
-            at = self.pending.find(s)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
-        keep = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(out) :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+def stop_text_state(stop: Sequence[str]) -> tuple:
+    """mlx-lm's ``TextStateMachine`` state for stop strings (empty strings ignored): feed it the
+    detokenized text with ``TextStateMachine.step``; the state's name turns None at the first
+    stop string (the text before it is emitted, the stop string is not), and text that may be
+    the start of a stop string is held back until it is known not to be."""
+    return TextStateMachine({"normal": [(s, None) for s in stop if s]}).make_state()
 
 
 def stream_generate(
@@ -301,7 +285,7 @@ def stream_generate(
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    stopper = _StopMatcher(stop)
+    stop_state = stop_text_state(stop)
     eos_ids = set(tokenizer.eos_token_ids)
     n = 0
     finish_reason = "length"
@@ -326,7 +310,8 @@ def stream_generate(
                 finish_reason = "stop"
                 break
             detokenizer.add_token(token)
-            text, stopped = stopper.feed(detokenizer.last_segment)
+            stop_state, text, name = TextStateMachine.step(stop_state, detokenizer.last_segment)
+            stopped = name is None
             if stopped or n == max_tokens:
                 final_text = text
                 break
@@ -334,8 +319,9 @@ def stream_generate(
         tokens.close()
     if not stopped:
         detokenizer.finalize()
-        text, stopped = stopper.feed(detokenizer.last_segment)
-        final_text += text if stopped else text + stopper.flush()
+        stop_state, text, name = TextStateMachine.step(stop_state, detokenizer.last_segment)
+        stopped = name is None
+        final_text += text if stopped else text + TextStateMachine.flush(stop_state)[1]
     if stopped:
         finish_reason = "stop"
     yield response(final_text, finish_reason)

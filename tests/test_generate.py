@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import TextStateMachine
 
-from mlxspec.generate import _StopMatcher, generate, stream_generate
+from mlxspec.generate import generate, stop_text_state, stream_generate
 
 
 def reference_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
@@ -89,18 +90,21 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(smollm2):
         (["Hel", "lo wor", "ld"], ["wor"], ("Hello ", True)),
         (["ab", "c"], ["cd"], ("abc", False)),
         (["x<", "/s", ">y"], ["</s>"], ("x", True)),
+        (["a b c"], ["c", "b"], ("a ", True)),  # the earliest stop string in the text wins
+        (["abc"], ["", "z"], ("abc", False)),  # an empty stop string stops nothing
     ],
 )
-def test_stop_matcher_holds_back_possible_prefixes(pieces, stop, expected):
-    matcher = _StopMatcher(stop)
+def test_stop_strings_hold_back_possible_prefixes(pieces, stop, expected):
+    state = stop_text_state(stop)
     out, stopped = "", False
     for piece in pieces:
-        text, stopped = matcher.feed(piece)
+        state, text, name = TextStateMachine.step(state, piece)
         out += text
+        stopped = name is None
         if stopped:
             break
     if not stopped:
-        out += matcher.flush()
+        out += TextStateMachine.flush(state)[1]
     assert (out, stopped) == expected
 
 
