@@ -403,11 +403,11 @@ def main() -> None:
     for name, run in sections.items():
         if name not in skip:
             result[name] = run(args)
-            print(json.dumps({name: result[name]}), file=sys.stderr)
+            print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     text = json.dumps(result, indent=2)
-    print(text)
     if args.out:
         Path(args.out).write_text(text)
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

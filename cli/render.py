@@ -150,11 +150,32 @@ def bench_table(result: dict[str, Any]) -> str:
 # -- doctor ---------------------------------------------------------------------------------------
 
 
+def kernel_check_lines(check: dict[str, Any]) -> list[str]:
+    """``mlxspec doctor --kernels``: one line per kernel case, then one per timing."""
+    lines = [f"kernel check: {'all ok' if check['ok'] else 'FAILED'}"]
+    for c in check["cases"]:
+        what = f"  {c['path']:<13} {c['bits']}-bit g{c['group_size']:<4} {c['dtype']:<9}"
+        error = c.get("error") or f"max rel error {c.get('max_rel_error', 0.0):.1e}"
+        lines.append(f"{what} {'ok ' if c['ok'] else 'FAILED'}  {error}")
+    for t in check.get("timing", []) + check.get("qmm_timing", []):
+        lines.append(f"  time {t['path']} {t['n']}x{t['k']} {t['bits']}-bit g{t['group_size']}"
+                     f" M={t['rows']}: zero-point {t['zp_us']:.0f} us ({t['zp_gbps']:.0f} GB/s),"
+                     f" mx.quantized_matmul {t['affine_us']:.0f} us: {t['speedup']:.2f}x")
+    if "gpu_copy_gbps" in check:
+        lines.append(f"  GPU copy bandwidth: {check['gpu_copy_gbps']:.0f} GB/s")
+    if "qmm_choice_saved" in check:
+        lines.append(f"  zp_qmm used where it was faster; timings saved to {check['qmm_choice_saved']}")
+    return lines
+
+
 def report_lines(report: dict[str, Any]) -> str:
-    """A nested dict as ``key: value`` lines, one level of indentation per level."""
+    """A nested dict as ``key: value`` lines, one level of indentation per level
+    (``kernel_check`` as one line per kernel case)."""
     lines = []
     for key, value in report.items():
-        if isinstance(value, dict):
+        if key == "kernel_check" and isinstance(value, dict):
+            lines.extend(kernel_check_lines(value))
+        elif isinstance(value, dict):
             lines.append(f"{key}:")
             lines.extend(f"  {k}: {v}" for k, v in value.items())
         else:

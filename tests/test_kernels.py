@@ -8,6 +8,7 @@ the harness catches wrong bit order, missing barriers, barriers in non-uniform c
 out-of-bounds reads, oversized shifts and address-space misuse.
 """
 
+import json
 import shutil
 
 import mlx.core as mx
@@ -208,9 +209,14 @@ def test_emulated_kernels_take_every_activation_dtype(kernel_rows, dtype, scale_
 
 @needs_gxx
 @pytest.mark.parametrize("m", [2, 20])
-def test_two_or_more_rows_use_quantized_matmul_without_dequantizing_the_layer(m, monkeypatch):
+def test_two_or_more_rows_use_quantized_matmul_without_dequantizing_the_layer(
+    m, monkeypatch, tmp_path
+):
     # No kernel launch (in particular no whole-layer zp_dequantize): mx.quantized_matmul on the
-    # exact affine form. MLXSPEC_QMM=zp opts into zp_qmm for 2-16 rows.
+    # exact affine form, unless zp_qmm was measured faster.
+    monkeypatch.setenv("MLXSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("MLXSPEC_QMM", raising=False)
+    kernels._measured_speedups.cache_clear()
     layer, dense = make_layer(19, 320, 4, 32)
     x, x64 = make_input((2, m // 2, 320), mx.float32)
     with emulator.emulated() as emu:
@@ -218,10 +224,17 @@ def test_two_or_more_rows_use_quantized_matmul_without_dequantizing_the_layer(m,
         mx.eval(y)
     assert emu.launches == [] and y.shape == (2, m // 2, 19)
     assert_matmul_close(y.reshape(m, 19), x64.reshape(m, 320), dense, mx.float32)
-    monkeypatch.setenv("MLXSPEC_QMM", "zp")
-    with emulator.emulated() as emu:
-        mx.eval(kernels.metal_matmul(x, *layer, bits=4, group_size=32))
-    assert [name for name, _, _ in emu.launches] == (["zp_qmm"] if m <= 16 else [])
+    # Where doctor --kernels measured zp_qmm faster (or with MLXSPEC_QMM=zp), it runs for 2-16.
+    monkeypatch.setenv("MLXSPEC_HOME", str(tmp_path))
+    kernels.save_qmm_choice([{"bits": 4, "group_size": 32, "rows": 2, "speedup": 1.3}])
+    for setting in ("auto", "zp"):
+        monkeypatch.setenv("MLXSPEC_QMM", setting)
+        with emulator.emulated() as emu:
+            y = kernels.metal_matmul(x, *layer, bits=4, group_size=32)
+            mx.eval(y)
+        assert [name for name, _, _ in emu.launches] == (["zp_qmm"] if m <= 16 else [])
+        assert_matmul_close(y.reshape(m, 19), x64.reshape(m, 320), dense, mx.float32)
+    kernels._measured_speedups.cache_clear()
 
 
 @needs_gxx
@@ -293,50 +306,79 @@ def test_wrong_nibble_order_is_caught():
         assert_matmul_close(y, x64, dense, mx.float32)
 
 
-BARRIER = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+# The harness's threadgroup-memory checks, on a kernel written for the purpose (the production
+# kernels need no threadgroup memory): each threadgroup of 32 threads stages its 64 values of x,
+# each thread reads a value another thread wrote; then the tile is staged again (doubled).
+STAGE = """
+threadgroup float tile[64];
+const uint i = thread_index_in_threadgroup;
+const uint base = threadgroup_position_in_grid.x * 64;
+for (uint t = i; t < 64; t += 32) {
+  tile[t] = x[base + t];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float first = tile[(i + 1) % 64] + tile[(i + 33) % 64];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint t = i; t < 64; t += 32) {
+  tile[t] = 2.0f * x[base + t];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[base / 2 + i] = first + tile[(i + 5) % 64];
+"""
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+
+
+def run_stage(edit=lambda text: text, flavor: str = "plain") -> np.ndarray:
+    """STAGE (after ``edit``) on 128 values, 2 threadgroups of 32: its 64 outputs."""
+    kernel = mx.fast.metal_kernel(name="emu_stage", input_names=["x"], output_names=["out"],
+                                  source=edit(STAGE))
+    launch = dict(inputs=[mx.arange(128, dtype=mx.float32)], grid=(64, 1, 1),
+                  threadgroup=(32, 1, 1), output_shapes=[(64,)], output_dtypes=[mx.float32])
+    binary = emulator.build(emulator.generated_source(kernel, launch), flavor)
+    return np.array(emulator.run(binary, launch)[0])
+
+
+@needs_gxx
+def test_staging_kernel_runs_as_on_a_gpu():
+    x = np.arange(128, dtype=np.float32).reshape(2, 64)
+    i = np.arange(32)
+    want = x[:, (i + 1) % 64] + x[:, (i + 33) % 64] + 2 * x[:, (i + 5) % 64]
+    np.testing.assert_array_equal(run_stage(flavor="tsan"), want.reshape(-1))
 
 
 @needs_gxx
 @pytest.mark.parametrize("which", ["after staging", "before restaging"])
 def test_missing_barrier_is_caught_by_thread_sanitizer(which):
-    layer, _ = make_layer(33, 576, 4, 64)
-    x, _ = make_input((6, 576), mx.float16)
-
-    def drop_barrier(name, text):
-        if name != "zp_qmm.metal":
-            return text
-        at = text.index(BARRIER) if which == "after staging" else text.rindex(BARRIER)
+    def drop_barrier(text):
+        at = text.index(BARRIER)
+        if which == "before restaging":
+            at = text.index(BARRIER, at + 1)
         return text[:at] + text[at + len(BARRIER) :]
 
     with pytest.raises(EmulationError, match="ThreadSanitizer: data race"):
-        emulate_matmul(x, layer, 4, 64, flavor="tsan", edit=drop_barrier)
+        run_stage(drop_barrier, flavor="tsan")
 
 
 @needs_gxx
 def test_reading_threadgroup_memory_nobody_wrote_gives_nan():
-    layer, _ = make_layer(33, 576, 4, 64)
-    x, _ = make_input((6, 576), mx.float16)
-    edit = replacing("zp_qmm.metal", "i += threads)", "i += 2 * threads)")  # stages half a tile
-    y, _ = emulate_matmul(x, layer, 4, 64, edit=edit)
-    assert np.isnan(np.array(y.astype(mx.float32))).any()
+    out = run_stage(lambda text: text.replace("t += 32)", "t += 64)", 1))  # stages half a tile
+    assert np.isnan(out).any()
 
 
 @needs_gxx
 def test_barrier_in_non_uniform_control_flow_is_caught():
-    layer, _ = make_layer(31, 576, 4, 64)  # 8 simdgroups, the last one owns rows 28..30 only
-    x, _ = make_input((6, 576), mx.float16)
-    edit = replacing(
-        "zp_qmm.metal", "for (uint k0 = 0;", "if (n0 + ROWS > uint(N)) return;\nfor (uint k0 = 0;"
-    )
+    def early_return(text):
+        return text.replace("for (uint t = i;", "if (i >= 16) return;\nfor (uint t = i;", 1)
+
     with pytest.raises(EmulationError, match="non-uniform control flow"):
-        emulate_matmul(x, layer, 4, 64, edit=edit)
+        run_stage(early_return)
 
 
 @needs_gxx
 def test_out_of_bounds_read_is_caught_even_when_the_numbers_are_right():
     layer, dense = make_layer(33, 576, 4, 64)
     x, x64 = make_input((6, 576), mx.float16)
-    edit = replacing("zp_qmm.metal", "(m < uint(M) && k < uint(K)) ?", "(m < uint(M)) ?")
+    edit = replacing("zp_qmm.metal", "if (m < M) {", "if (m < BM) {")  # rows 6, 7 of BM = 8
     y, _ = emulate_matmul(x, layer, 4, 64, edit=edit)
     assert_matmul_close(y, x64, dense, mx.float16)  # the stray values are never used...
     with pytest.raises(EmulationError, match="AddressSanitizer: heap-buffer-overflow"):
@@ -485,13 +527,9 @@ def test_emulator_reports_lanes_at_different_simd_operations():
 
 @needs_gxx
 def test_a_barrier_without_mem_threadgroup_cannot_exchange_threadgroup_data():
-    # zp_qmm stages x in threadgroup memory; mem_none orders execution, not memory.
-    edit = replacing("zp_qmm.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);",
-                     "threadgroup_barrier(mem_flags::mem_none);")
-    layer, _ = make_layer(33, 576, 4, 64)
-    x, _ = make_input((3, 576), mx.float16)
+    # mem_none orders execution, not memory: the staged values need not be visible.
     with pytest.raises(EmulationError, match="lacks mem_flags::mem_threadgroup"):
-        emulate_matmul(x, layer, 4, 64, edit=edit)
+        run_stage(lambda text: text.replace("mem_flags::mem_threadgroup", "mem_flags::mem_none", 1))
 
 
 @needs_gxx
@@ -542,6 +580,45 @@ def test_check_on_device_reports_every_path(pretend_metal):
     assert ("matmul M=33", 2, 64, "float32") in paths
 
 
+def test_doctor_prints_one_line_per_kernel_case(pretend_metal):
+    from mlxspec.cli import render
+
+    report = kernel_check.check_on_device(timing=False)
+    lines = render.kernel_check_lines(report)
+    assert lines[0] == "kernel check: all ok" and len(lines) == 1 + len(report["cases"])
+    assert any(line.split()[:4] == ["zp_qmm", "M=16", "8-bit", "g32"] for line in lines)
+
+
+def test_measured_timings_choose_zp_qmm_per_bits_group_and_rows(
+    pretend_metal, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("MLXSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("MLXSPEC_QMM", raising=False)
+    timings = kernel_check.measure_qmm_choice(n=64, k=256, bits=(4,), group_sizes=(64,),
+                                              rows=(2, 4), iters=1)
+    saved = json.loads(kernels.qmm_choice_path().read_text())
+    assert [t["rows"] for t in timings] == [2, 4] and saved["rows"] == [
+        {"bits": 4, "group_size": 64, "rows": t["rows"], "speedup": t["speedup"]} for t in timings]
+    kernels.save_qmm_choice([{"bits": 4, "group_size": 32, "rows": 4, "speedup": 1.3},
+                             {"bits": 4, "group_size": 32, "rows": 8, "speedup": 0.7}])
+    assert kernels.use_zp_qmm(4, 32, 3) and kernels.use_zp_qmm(4, 32, 4)
+    assert not kernels.use_zp_qmm(4, 32, 5)  # the nearest measurement at or above: 8, slower
+    assert not kernels.use_zp_qmm(8, 32, 3) and not kernels.use_zp_qmm(4, 32, 2)  # not measured
+    assert "zp_qmm where measured faster (4-bit g32 M<=4)" in kernels.describe()
+    monkeypatch.setenv("MLXSPEC_QMM", "affine")
+    assert not kernels.use_zp_qmm(4, 32, 3)
+    monkeypatch.setenv("MLXSPEC_QMM", "zp")
+    assert kernels.use_zp_qmm(8, 32, 3)
+    monkeypatch.delenv("MLXSPEC_QMM")
+    monkeypatch.setattr(kernels, "device_name", lambda: "another GPU")
+    kernels._measured_speedups.cache_clear()
+    assert not kernels.use_zp_qmm(4, 32, 3)  # measured on another device
+    kernels.qmm_choice_path().write_text("{not json")
+    kernels._measured_speedups.cache_clear()
+    assert not kernels.use_zp_qmm(4, 32, 3)
+    kernels._measured_speedups.cache_clear()
+
+
 def test_a_failing_kernel_is_a_report_line_not_a_traceback(pretend_metal, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("[metal::Device] Unable to build metal library from source\nmore")
@@ -563,13 +640,8 @@ def test_benchmark_matmul_reports_times_and_bandwidth(pretend_metal):
 
 @needs_gxx
 def test_threadgroup_memory_over_32_kb_is_caught():
-    # zp_qmm stages BM x 256 floats (16 KB at BM = 16); doubling the tile passes 32 KB.
-    edit = replacing("zp_qmm.metal", "threadgroup float x_tile[BM * TILE];",
-                     "threadgroup float x_tile[BM * TILE * 3];")
-    layer, _ = make_layer(33, 576, 4, 64)
-    x, _ = make_input((16, 576), mx.float16)
     with pytest.raises(EmulationError, match="threadgroup memory exceed"):
-        emulate_matmul(x, layer, 4, 64, edit=edit)
+        run_stage(lambda text: text.replace("tile[64];", "tile[64 * 160];", 1))  # 40 KB
 
 
 @needs_gxx

@@ -122,3 +122,34 @@ def test_no_off_verdict_before_a_speculative_pass_is_measured():
 def test_fixed_k_is_used_as_given():
     planner = DraftLengthPlanner(5)
     assert [planner.choose(100) for _ in range(3)] + [planner.choose(2)] == [5, 5, 5, 2]
+
+
+def test_a_drafter_that_is_never_accepted_costs_a_few_passes_per_answer():
+    """bench/speculative.py's "bad draft" (4 of 30 layers, acceptance ~0), with its measured
+    costs: plain step 58 ms, verifying 1 draft 82 ms, drafting 11 ms. Each doubling of the
+    back-off once cost a 2-pass retry (8-9 wasted passes in 128 tokens, 4 % of the time)."""
+    planner = DraftLengthPlanner("auto", draft_step=0.011)
+    planner.observe_prefill(40, 0.12)
+    speculative, generated = 0, 0
+    while generated < 128:
+        k = planner.choose(127 - generated, 1)
+        if k == 0:
+            for _ in range(planner.plain_stretch(128 - generated)):
+                planner.observe(0, 0, 0, 0.0, 0.058, 0)
+                generated += 1
+        else:
+            speculative += 1
+            planner.observe(k, k, 0, 0.011 * k, 0.058 + 0.024 * k, 1)
+            generated += 1
+    assert 1 <= speculative <= 4, speculative
+
+
+def test_a_weak_but_cheap_drafter_is_not_judged_hopeless_on_a_few_misses():
+    """Prompt lookup costs nothing to draft: misses in a row are no reason for long pauses."""
+    planner = DraftLengthPlanner("auto", draft_step=0.0)
+    planner.observe_prefill(40, 0.012)
+    for _ in range(3):
+        planner.observe(0, 0, 0, 0.0, 0.010, 0)
+    for _ in range(6):
+        planner.observe(2, 2, 0, 0.0, 0.0103, 1)
+    assert not planner._hopeless()

@@ -15,10 +15,13 @@ from mlxspec.quant import zp_format
 from mlxspec.quant.kernels import (
     _FLOAT_TYPES,
     QMM_MAX_ROWS,
+    QMM_MEASURED_ROWS,
     fallback_matmul,
     metal_dequantize,
     metal_matmul,
     metal_qmm,
+    qmm_choice_path,
+    save_qmm_choice,
 )
 
 
@@ -27,8 +30,10 @@ def check_on_device(seed: int = 0, timing: bool = True) -> dict:
 
     Returns ``{"ok": bool, "cases": [...], "timing": [...]}``: one case per (path, bits, group
     size, dtype) with the largest error relative to the output's magnitude, and (``timing``) the
-    4096x4096 4-bit matmul timed against ``mx.quantized_matmul`` at 1 and 8 rows
-    (:func:`benchmark_matmul`). Raises MlxspecError where Metal is not available.
+    4096x4096 4-bit matmul timed against ``mx.quantized_matmul``
+    (:func:`benchmark_matmul`) at 1 row, and ``zp_qmm`` at 2-16 rows
+    (:func:`measure_qmm_choice`, which saves where it wins). Raises MlxspecError where Metal is
+    not available.
     """
     if not mx.metal.is_available():
         raise MlxspecError("the kernel check needs Metal: run it on a Mac with Apple silicon")
@@ -60,11 +65,24 @@ def check_on_device(seed: int = 0, timing: bool = True) -> dict:
                                              group_size=group_size))
     report = {"ok": all(c["ok"] for c in cases), "cases": cases}
     if timing:
-        report["timing"] = [
-            benchmark_matmul(4096, 4096, bits=4, group_size=64, rows=m, iters=10) for m in (1, 8)
-        ]
+        report["timing"] = [benchmark_matmul(4096, 4096, bits=4, group_size=64, rows=1, iters=10)]
+        report["qmm_timing"] = measure_qmm_choice()
+        report["qmm_choice_saved"] = str(qmm_choice_path())
         report["gpu_copy_gbps"] = gpu_copy_bandwidth()
     return report
+
+
+def measure_qmm_choice(n: int = 4096, k: int = 4096, bits=(4, 8), group_sizes=(32, 64, 128),
+                       rows=QMM_MEASURED_ROWS, iters: int = 10) -> list[dict]:
+    """Time ``zp_qmm`` against ``mx.quantized_matmul`` on an (n, k) layer for each bits, group
+    size and row count, and save the speedups where :func:`metal_matmul` reads them
+    (:func:`mlxspec.quant.kernels.use_zp_qmm`): zp_qmm then runs only where it was measured
+    faster on this device. Returns the :func:`benchmark_matmul` rows."""
+    timings = [benchmark_matmul(n, k, bits=b, group_size=g, rows=m, iters=iters)
+               for b in bits for g in group_sizes for m in rows]
+    save_qmm_choice([{key: t[key] for key in ("bits", "group_size", "rows", "speedup")}
+                     for t in timings])
+    return timings
 
 
 def _caught(path: str, bits: int, group_size: int, dtype, want: mx.array, fn, /, *args, **kwargs

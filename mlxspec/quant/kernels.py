@@ -8,10 +8,11 @@ rows M:
 - M = 1: ``zp_qmv`` (decode): fused dequantize + mat-vec, simdgroup reductions;
 - M >= 2 (speculative verification, prefill): ``mx.quantized_matmul`` on the same weights in
   their exact affine form (:func:`mlxspec.quant.zp_format.to_mlx_affine`; MLX's tuned qmm/steel
-  kernels). The custom ``zp_qmm`` (:func:`metal_qmm`) is used instead only where it was measured
-  faster (``MLXSPEC_QMM=zp``, after ``mlxspec doctor --kernels`` shows it): it has not been timed
-  on a Mac yet. Nothing dequantizes a whole layer per call any more (that was a multi-GB transient
-  for large-vocabulary heads).
+  kernels), or for 2-16 rows the custom ``zp_qmm`` (:func:`metal_qmm`) where it was *measured*
+  faster on this Mac: ``mlxspec doctor --kernels`` times both per (bits, group size, rows) and
+  saves the table (:func:`qmm_choice_path`); without a measurement the tuned MLX kernels are
+  used. ``MLXSPEC_QMM=zp|affine`` overrides. Nothing dequantizes a whole layer per call (that
+  was a multi-GB transient for large-vocabulary heads).
 
 Elsewhere (Linux, or ``MLXSPEC_KERNELS=mlx``) every M uses ``mx.quantized_matmul`` on the exact
 affine form; pass ``biases`` precomputed once to avoid rebuilding them on every call.
@@ -23,8 +24,10 @@ Metal source MLX generates on a CPU (``tests/metal_emu``).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from importlib import resources
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -33,6 +36,8 @@ from mlxspec.quant import zp_format
 
 QMM_MAX_ROWS = 16
 _QMM_CAPACITIES = (4, 8, 16)
+QMM_MEASURED_ROWS = (2, 4, 8, 16)  # row counts doctor --kernels times zp_qmm at
+QMM_MIN_SPEEDUP = 1.05  # zp_qmm is used where measured at least this much faster
 
 # name -> (input names, output names); the source is metal/<name>.metal, the header zp_common.h.
 KERNELS = {
@@ -53,14 +58,74 @@ def backend() -> str:
     return "metal" if mx.metal.is_available() else "mlx"
 
 
+def qmm_choice_path() -> Path:
+    """Where ``mlxspec doctor --kernels`` saves its zp_qmm-vs-affine timings (JSON)."""
+    from mlxspec import paths
+
+    return paths.home() / "kernels" / "qmm_choice.json"
+
+
+def device_name() -> str:
+    """The GPU's name (measurements are kept per device), or "" without Metal."""
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # noqa: BLE001  (no Metal back-end: nothing was measured here)
+        return ""
+
+
+@functools.cache
+def _measured_speedups() -> dict[tuple[int, int, int], float]:
+    """(bits, group size, rows) -> affine time / zp_qmm time, as measured on this device."""
+    try:
+        saved = json.loads(qmm_choice_path().read_text())
+        if saved.get("device") != device_name():
+            return {}
+        return {(r["bits"], r["group_size"], r["rows"]): float(r["speedup"])
+                for r in saved["rows"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none, or unreadable: the tuned MLX kernels
+
+
+def use_zp_qmm(bits: int, group_size: int, rows: int) -> bool:
+    """Whether ``rows`` (2-16) activation rows go to ``zp_qmm`` rather than
+    ``mx.quantized_matmul``: ``MLXSPEC_QMM=zp|affine``, else the measurement at the nearest
+    measured row count at or above ``rows``."""
+    setting = os.environ.get("MLXSPEC_QMM", "auto")
+    if setting in ("zp", "affine"):
+        return setting == "zp"
+    measured = next(r for r in QMM_MEASURED_ROWS if r >= rows)
+    return _measured_speedups().get((bits, group_size, measured), 0.0) >= QMM_MIN_SPEEDUP
+
+
+def save_qmm_choice(rows: list[dict]) -> Path:
+    """Save ``[{"bits", "group_size", "rows", "speedup"}, ...]`` for this device (atomically)."""
+    path = qmm_choice_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"device": device_name(), "mlx": mx.__version__, "rows": rows},
+                              indent=1))
+    tmp.replace(path)
+    _measured_speedups.cache_clear()
+    return path
+
+
 def describe() -> str:
     """One line for ``mlxspec doctor``: which zero-point matmul path is active and why."""
-    if backend() == "metal":
-        more = "zp_qmm for 2-16 rows (MLXSPEC_QMM=zp)" if os.environ.get("MLXSPEC_QMM") == "zp" \
-            else "mx.quantized_matmul on the exact affine form for 2+ rows"
-        return f"zero-point kernels: Metal (zp_qmv for 1 row, {more}) from mlxspec.metal"
-    why = "MLXSPEC_KERNELS=mlx" if mx.metal.is_available() else "Metal is not available"
-    return f"zero-point kernels: MLX fallback (exact affine form via mx.quantized_matmul; {why})"
+    if backend() != "metal":
+        why = "MLXSPEC_KERNELS=mlx" if mx.metal.is_available() else "Metal is not available"
+        return f"zero-point kernels: MLX fallback (exact affine form via mx.quantized_matmul; {why})"
+    setting = os.environ.get("MLXSPEC_QMM", "auto")
+    faster = sorted(f"{b}-bit g{g} M<={r}" for (b, g, r), speedup in _measured_speedups().items()
+                    if speedup >= QMM_MIN_SPEEDUP)
+    if setting == "zp":
+        rows = "zp_qmm for 2-16 rows (MLXSPEC_QMM=zp)"
+    elif setting == "affine" or not faster:
+        rows = "mx.quantized_matmul on the exact affine form for 2+ rows"
+        if setting != "affine":
+            rows += " (zp_qmm not measured faster here: mlxspec doctor --kernels times it)"
+    else:
+        rows = f"zp_qmm where measured faster ({', '.join(faster)}), else mx.quantized_matmul"
+    return f"zero-point kernels: Metal (zp_qmv for 1 row; {rows}) from mlxspec.metal"
 
 
 def _source(name: str) -> str:
@@ -137,7 +202,7 @@ def metal_matmul(
     """``x @ W.T`` on Metal. x: (..., K) float16/bfloat16/float32 -> (..., N) of x's dtype.
 
     One row: the ``zp_qmv`` kernel. More rows: ``mx.quantized_matmul`` on the exact affine form
-    (``biases`` as :func:`fallback_matmul`), or :func:`metal_qmm` with ``MLXSPEC_QMM=zp``.
+    (``biases`` as :func:`fallback_matmul`), or :func:`metal_qmm` where :func:`use_zp_qmm`.
     """
     n, k = _check(weight, scales, zeros, bits, group_size)
     if x.shape[-1] != k:
@@ -156,7 +221,7 @@ def metal_matmul(
             output_shapes=[(1, n)],
             output_dtypes=[x.dtype],
         )[0]
-    elif m <= QMM_MAX_ROWS and os.environ.get("MLXSPEC_QMM") == "zp":
+    elif m <= QMM_MAX_ROWS and use_zp_qmm(bits, group_size, m):
         y = metal_qmm(rows, weight, scales, zeros, bits=bits, group_size=group_size)
     else:
         y = fallback_matmul(rows, weight, scales, zeros, bits=bits, group_size=group_size,
@@ -169,17 +234,17 @@ def metal_qmm(
     group_size: int,
 ) -> mx.array:
     """The ``zp_qmm`` kernel: rows (M, K) with 2 <= M <= 16 -> (M, N) of rows' dtype; each weight
-    read once for all rows. Grid (32, ceil(N / rows per simdgroup)), threadgroup (32, 4)."""
+    read and dequantized once for all rows (M FMAs per weight, no staging, no barrier).
+    Grid (32, ceil(N / 4)), threadgroup (32, 2), as ``zp_qmv``."""
     n, k = _check(weight, scales, zeros, bits, group_size)
     m = rows.shape[0]
     capacity = next(c for c in _QMM_CAPACITIES if c >= m)
-    rows_per_simdgroup = 4 if capacity <= 8 else 2
     return _launch(
         "zp_qmm",
         inputs=[rows, weight, scales, zeros, m, k, n],
         template=_template(rows.dtype, bits, group_size, BM=capacity),
-        grid=(32, (n + rows_per_simdgroup - 1) // rows_per_simdgroup, 1),
-        threadgroup=(32, 4, 1),
+        grid=(32, (n + 3) // 4, 1),
+        threadgroup=(32, 2, 1),
         output_shapes=[(m, n)],
         output_dtypes=[rows.dtype],
     )[0]

@@ -36,6 +36,13 @@ MARGIN = 0.03  # speculation must be predicted this much faster than plain decod
 PLAIN_FIRST = 2  # plain passes measured (after the warm-up pass) before the first trial
 TRIAL_PASSES = 2  # speculative passes of a trial before judging
 MIN_PAUSE, MAX_PAUSE = 16, 512  # plain tokens before trying again
+# Hopeless: the drafts kept since the last accepted one (none) would be that unlikely
+# (< HOPELESS_LIKELIHOOD) if the first draft of a pass were accepted as often as it must be
+# for k = 1 to break even. Then speculation pauses at once (the acceptance estimate, still
+# leaning on its prior, is not asked), the next pause grows 4x (not 2x) and the retry is a
+# single pass: a drafter far too weak for its cost costs a few passes per generation, while a
+# cheap one (break-even acceptance near 0, e.g. prompt lookup) is never judged this way.
+HOPELESS_LIKELIHOOD = 0.2
 MIN_PREFILL_FOR_PRIOR = 8  # prompt tokens needed to take the prefill cost as the prior slope
 HORIZON = 256  # tokens over which switching speculation on must pay off
 RETRY_COST = 0.05  # longest catch-up (fraction of the paused tokens' plain time) worth a retry
@@ -81,8 +88,9 @@ class DraftLengthPlanner:
         self.passes = 0  # passes observed (the first is a warm-up, not timed)
         self.speculative_passes = 0
         self.paused = 0  # plain passes left before speculation is tried again
-        self.pause = MIN_PAUSE
+        self.pause = self.served_pause = MIN_PAUSE
         self.trial = 0  # speculative passes of the current trial still to run
+        self.since_accept = 0  # speculative passes since a draft was last accepted
 
     # -- measurements ----------------------------------------------------------------------------
 
@@ -104,6 +112,7 @@ class DraftLengthPlanner:
             self.speculative_passes += 1
             self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
             self.rejected = ACCEPTANCE_MEMORY * self.rejected + (accepted < drafted)
+            self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)
         self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
@@ -193,6 +202,8 @@ class DraftLengthPlanner:
                 self.trial = (self.trial or TRIAL_PASSES) - 1
                 return self.best_k(limit)
             return self._pause()
+        if self._hopeless():
+            return self._pause()
         k = self.best_k(limit)
         speculative_seconds = self.catch_up_seconds(catch_up) + horizon / self.rate(k)
         if speculative_seconds * (1 + MARGIN) < plain_seconds:
@@ -201,14 +212,24 @@ class DraftLengthPlanner:
         return self._pause()
 
     def _paused_time(self) -> float:
-        return self.pause / 2 * self.plain_cost  # the pause just served (it has since doubled)
+        return self.served_pause * self.plain_cost  # the pause just served
 
     def _pause(self) -> int:
         """Decode plainly for the current pause, then try again (the next pause is longer)."""
-        self.paused = self.pause - 1
-        self.pause = min(2 * self.pause, MAX_PAUSE)
-        self.trial = TRIAL_PASSES
+        hopeless = self._hopeless()
+        self.paused, self.served_pause = self.pause - 1, self.pause
+        self.pause = min((4 if hopeless else 2) * self.pause, MAX_PAUSE)
+        self.trial = 1 if hopeless else TRIAL_PASSES
         return 0
+
+    def _hopeless(self) -> bool:
+        """No draft accepted for so many passes that a drafter good enough to pay at k = 1
+        (first-draft acceptance >= the break-even one) would rarely do as badly."""
+        if self.since_accept == 0 or not self.verify_costs.get(0):
+            return False
+        break_even = (self.draft_cost + self.verify_cost(1)) / self.plain_cost - 1.0
+        break_even = min(max(break_even, 0.0), 0.99)
+        return (1.0 - break_even) ** self.since_accept < HOPELESS_LIKELIHOOD
 
     def plain_stretch(self, limit: int) -> int:
         """After ``choose`` returned 0: how many plain passes follow from now (this one included,
