@@ -17,8 +17,12 @@ side with mlx-lm's own affine quantization at the same bits.
   copy + BLAS) and ``quantized`` (``mx.quantized_matmul``), with resident weight bytes.
 - exactness cost (``--exactness-cost``): KL of RTN with scales exact in float16/bfloat16 (the
   default MLX affine output) against float32 scales, at 4 and 8 bits.
-- mlx-lm anchors (``--mlx-lm-anchors gptq,awq``): mlx-lm's own ``mlx_lm.gptq``/``mlx_lm.awq`` on
-  the same source and calibration text, evaluated the same way.
+- mlx-lm anchors (``--mlx-lm-anchors gptq,awq [--anchor-cases 4g64,4g32,8g64]
+  [--anchor-rows rows.jsonl]``): mlx-lm's own ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` against
+  mlxspec's ``quantize_to_dir`` (rtn, gptq, awq) at equal storage, on the same source and
+  calibration text, all loaded back from disk and evaluated the same way; each row is appended to
+  the JSONL as it finishes and a rerun skips the rows already there (mlx_lm.awq takes about an
+  hour per case on SmolLM2 here).
 - kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
   ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
 
@@ -181,8 +185,9 @@ def exactness_cost(name: str, windows: int, cases=((4, 64), (8, 64))) -> list[di
 ANCHOR_CASES = ((4, 64), (4, 32), (8, 64))
 # mlx-lm's quantizers run in a child process; importing mlxspec first gives them the same
 # OpenBLAS as every other row (plain `python -m` keeps MLX's slow reference BLAS on Linux).
-_RUN_WITH_MLXSPEC_BLAS = ("import sys, runpy, mlxspec; sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
-                          "runpy.run_module(sys.argv[0], run_name='__main__')")
+# (mlx_lm.quant.awq has no __main__ guard: its main() is called, as its console script does.)
+_RUN_WITH_MLXSPEC_BLAS = ("import sys, importlib, mlxspec; name = sys.argv.pop(1); "
+                          "sys.argv[0] = name; importlib.import_module(name).main()")
 
 
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
@@ -213,8 +218,16 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
     eval_windows = builtin_windows(tokenizer, windows=windows)
     jobs = [(bits, gs, m) for bits, gs in cases for m in methods]
     jobs += [(bits, gs, f"mlx_lm.{t}") for bits, gs in cases for t in tools]
+    done = {}  # rows already in rows_file: a rerun resumes
+    if rows_file and Path(rows_file).exists():
+        for line in Path(rows_file).read_text().splitlines():
+            row = json.loads(line)
+            done[(row["model"], row["bits"], row["group_size"], row["method"])] = row
     rows = []
     for bits, group_size, method in sorted(jobs, key=lambda j: (j[0], -j[1])):
+        if (name, bits, group_size, method) in done:
+            rows.append(done[(name, bits, group_size, method)])
+            continue
         out = Path(out_root) / f"{name}-{method}-{bits}g{group_size}"
         start = time.perf_counter()
         if method.startswith("mlx_lm."):
@@ -226,6 +239,8 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             subprocess.run([sys.executable, "-c", _RUN_WITH_MLXSPEC_BLAS, f"mlx_lm.quant.{tool}",
                             "--model", str(source), "--mlx-path", str(out), "--bits", str(bits),
                             "--group-size", str(group_size), *extra], check=True)
+            if not (out / "config.json").exists():
+                raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
         else:
             quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=method,
                             dtype="float32", group_fallback=True, force=True, evaluate=False,
