@@ -21,8 +21,9 @@ the model's context accepts (auto-k >= plain); auto-k when the first speculative
 slower (>= 0.9x auto-k without the spike).
 
 Targets checked (the ``checks`` in the JSON): mlxspec's acceptance at temperature 0.7 >= 1.3x
-mlx-lm's on the same pair; auto-k >= 0.97x plain decoding in every row; prompt lookup faster than
-plain decoding on the input-grounded prompt.
+mlx-lm's on the same pair; auto-k >= 0.97x plain decoding in every row (tokens/s pooled over the
+repeats: total tokens / total seconds); prompt lookup faster than plain decoding on the
+input-grounded prompt.
 """
 
 # ruff: noqa: I001  (mlxspec is imported before mlx.core: it must load the optimized BLAS first)
@@ -155,6 +156,9 @@ def bench(
                     runs[way].append(run())
             row = {"config": name, "temp": temp, "prompt_tokens": len(prompt)}
             row.update({way: median_run(r) for way, r in runs.items()})
+            for way, r in runs.items():  # all repeats pooled: total tokens / total seconds
+                row[way]["pooled_tps"] = (sum(x["tokens"] for x in r)
+                                          / sum(x["tokens"] / x["tps"] for x in r))
             rows.append(row)
             log(table_line(row))
     return {
@@ -312,7 +316,9 @@ def checks(rows: list[dict]) -> dict:
     for row in rows:
         key = f"{row['config']} @ {row['temp']}"
         plain = row["plain"]["tps"]
-        out[f"auto-k >= 0.97x plain: {key}"] = row["auto_k"]["tps"] >= 0.97 * plain
+        # Pooled over the repeats: a single run's tokens/s varies by a few % on a shared machine.
+        pooled = row["auto_k"].get("pooled_tps", row["auto_k"]["tps"])
+        out[f"auto-k >= 0.97x plain: {key}"] = pooled >= 0.97 * row["plain"].get("pooled_tps", plain)
         if row["config"] == "prompt lookup":
             out[f"prompt lookup faster than plain: {key}"] = row["auto_k"]["tps"] > plain
         # For a pair whose distributions barely overlap both rules accept almost nothing
