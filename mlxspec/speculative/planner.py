@@ -200,7 +200,7 @@ class DraftLengthPlanner:
             )
             # A retry of a hopeless drafter is for catching it once it has become useful; with
             # fewer tokens left than the pause a failure would start, there is no time to use it.
-            too_late = self.speculative_passes > 0 and self._hopeless() and limit + 1 < self.pause
+            too_late = self._hopeless() and limit + 1 < self.pause
             if self.catch_up_seconds(catch_up) <= budget and not too_late:
                 self.trial = (self.trial or TRIAL_PASSES) - 1
                 return self.best_k(limit)
