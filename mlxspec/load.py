@@ -149,9 +149,12 @@ def _gguf_directory(gguf_path: Path, *, progress: bool) -> Path:
 
     out_dir = paths.home() / "gguf" / gguf_cache_key(gguf_path)
     clean_stale_work_dirs(out_dir.parent)  # conversions killed before they finished
-    if not (out_dir / "config.json").is_file():
-        convert_gguf(gguf_path, out_dir)
-        (out_dir / "source.txt").write_text(f"{gguf_path.resolve()}\n")
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    with paths.locked_directory(out_dir.parent):  # another process may be converting it now
+        if not (out_dir / "config.json").is_file():
+            convert_gguf(gguf_path, out_dir)
+            (out_dir / "source.txt").write_text(f"{gguf_path.resolve()}\n")
     return out_dir
 
 

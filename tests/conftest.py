@@ -62,7 +62,8 @@ def gemma3_gguf() -> Path:
     from mlxspec import paths
 
     target = paths.home() / "assembled" / package.MODEL_NAME
-    return package.assemble(target)
+    with paths.locked_directory(target.parent):  # test workers assemble it once, in turn
+        return package.assemble(target)
 
 
 @pytest.fixture(scope="session")

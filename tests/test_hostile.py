@@ -634,6 +634,33 @@ def test_stale_partials_of_dead_processes_are_cleaned_live_ones_kept(world):
     assert live.exists() and foreign.exists()
 
 
+def test_a_conversion_under_way_elsewhere_is_waited_for_not_redone(world):
+    """Two processes reaching the same GGUF at once (two test workers, two terminals): the second
+    waits for the first's conversion and uses it, instead of converting again and replacing the
+    directory under the first."""
+    from mlxspec import paths
+    from mlxspec.gguf import convert_gguf, gguf_cache_key
+
+    gguf_path = write_tiny_gguf(world.root / "m.gguf")
+    gguf_dir = world.root / "home" / "gguf"
+    out_dir = gguf_dir / gguf_cache_key(gguf_path)
+    code = ("import sys; from mlxspec.load import resolve_model_path; "
+            "print(resolve_model_path(sys.argv[1], progress=False))")
+    with paths.locked_directory(gguf_dir):  # "the first process", converting
+        other = subprocess.Popen([sys.executable, "-c", code, str(gguf_path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)  # started, imported, and now waiting for the lock
+        assert other.poll() is None and not out_dir.exists(), other.communicate()
+        convert_gguf(gguf_path, out_dir, progress=False)
+        (out_dir / "source.txt").write_text(f"{gguf_path}\n")
+        inode = out_dir.stat().st_ino
+    out, err = other.communicate(timeout=60)
+    assert other.returncode == 0, err
+    assert out.strip() == str(out_dir)
+    assert out_dir.stat().st_ino == inode  # used as it was: not converted again
+    assert [p.name for p in gguf_dir.iterdir()] == [out_dir.name]
+
+
 def test_models_survives_non_utf8_cache_files_and_shows_the_cache_size(world):
     converted = world.root / "home" / "gguf" / "m-0123"
     converted.mkdir(parents=True)
@@ -684,6 +711,12 @@ def test_usage_errors_are_one_line_not_clicks_four(world):
     assert "Usage:" not in result.output and "Try " not in result.output
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C handled as a terminal would (a shell's background job, as under
+    ``make test &``, inherits SIGINT ignored, and Python then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for_stdin_read(process: subprocess.Popen, timeout: float = 120.0) -> None:
     """Wait until ``process`` blocks reading its standard input (start-up is over)."""
     deadline = time.monotonic() + timeout
@@ -727,6 +760,7 @@ def test_ctrl_c_during_start_up_exits_130_quietly(tmp_path, tiny_source, when):
         [sys.executable, "-m", "mlxspec.cli.main", "generate", "-m", model, "-p", "-"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "MLXSPEC_HOME": str(home)},
+        preexec_fn=_default_sigint,
     )
     if when == "waiting-for-input":
         _wait_for_stdin_read(process)
@@ -977,6 +1011,7 @@ def test_ctrl_c_stops_a_long_prefill_within_seconds():
         [sys.executable, "-m", "mlxspec.cli.main", "generate", "-p", "-", "--max-kv-size",
          "1024", "--no-chat-template", "--max-tokens", "4"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,
     )
     process.stdin.write(("The quick brown fox jumps over the lazy dog. " * 4500).encode())
     process.stdin.close()
