@@ -1,14 +1,17 @@
 """Serving benchmark: mlxspec serve vs mlx_lm.server side by side, mlxspec batch, a load test.
 
-    python bench/serve.py [--model DIR] [--clients 1,2,4,8,16] [--requests 4] [--max-tokens 64]
+    python bench/serve.py [--model DIR] [--clients 1,2,4,8,16] [--seconds 20] [--max-tokens 64]
                           [--batch-prompts 256] [--load-clients 64] [--load-seconds 60]
-                          [--skip serving,speculation,batch,load] [--out result.json]
+                          [--skip ceiling,serving,speculation,batch,load] [--out result.json]
 
 Sections (JSON on stdout, one object):
+- ``ceiling``: mlx-lm's batched decode step alone at each batch size (no arrivals, no HTTP):
+  the most batching can give on this machine.
 - ``serving``: ``mlxspec serve`` and ``mlx_lm.server`` (subprocesses on loopback, both with
-  mlxspec's BLAS set-up) taking turns at each concurrency: the aggregate completion tokens/s,
-  p50/p99 time to first token and p50/p99 inter-token latency (per request: (last token time -
-  first token time) / (tokens - 1)); medians over the rounds.
+  mlxspec's BLAS set-up) taking turns at each concurrency, each client sending requests back to
+  back: the aggregate tokens/s inside a steady window (``--warmup`` s after the start, for
+  ``--seconds``), p50/p99 time to first token and p50/p99 inter-token latency (per request:
+  (last token time - first token time) / (tokens - 1)); medians over the rounds.
 - ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
 - ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
   (``mlxspec.generate``; a subset, as a rate).
@@ -123,8 +126,11 @@ def rss_mb(pid: int) -> float | None:
 # -- one request ----------------------------------------------------------------------------------
 
 
-def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict:
-    """POST a streaming chat completion; times the chunks. ``stop_after``: disconnect early."""
+def stream_request(port: int, body: dict, stop_after: int | None = None,
+                   deadline: float | None = None) -> dict:
+    """POST a streaming chat completion; times the chunks (``times``: seconds since the request,
+    ``clock``: ``time.perf_counter()`` values). ``stop_after``: disconnect after that many chunks;
+    ``deadline``: disconnect at that ``perf_counter()`` time (``cut`` is then True)."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.connect()
@@ -133,7 +139,7 @@ def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
     response = conn.getresponse()
-    result = {"status": response.status, "text": "", "times": [], "tokens": 0}
+    result = {"status": response.status, "text": "", "times": [], "clock": [], "tokens": 0}
     if response.status != 200:
         response.read()
         conn.close()
@@ -148,8 +154,15 @@ def stream_request(port: int, body: dict, stop_after: int | None = None) -> dict
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
-                result["times"].append(time.perf_counter() - tic)
+                now = time.perf_counter()
+                result["times"].append(now - tic)
+                result["clock"].append(now)
                 result["text"] += content
+        if deadline is not None and time.perf_counter() >= deadline:
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            result["cut"] = True
+            break
         if stop_after is not None and len(result["times"]) >= stop_after:
             sock.shutdown(socket.SHUT_RDWR)
             sock.close()
@@ -215,6 +228,50 @@ def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
             "loadavg": loadavg()}
 
 
+def steady_run(port: int, clients: int, seconds: float, warmup: float, max_tokens: int,
+               prompts: list[str]) -> dict:
+    """Throughput at a steady ``clients`` concurrency: every client sends requests back to back
+    until the window ends; the content chunks (one per token, both servers) that arrive inside
+    the window ``[warmup, warmup + seconds)`` are counted, so neither the start nor the drain
+    of a fixed set of requests (clients finishing at different times) enters the rate. TTFT and
+    ITL come from the requests that finished inside the window."""
+    results: list[dict] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + seconds)
+
+    def client(c: int) -> None:
+        r = 0
+        while time.perf_counter() < window[1]:
+            prompt = prompts[(c * 7 + r) % len(prompts)]
+            r += 1
+            try:
+                out = stream_request(port, chat_body(prompt, max_tokens), deadline=window[1])
+            except (OSError, http.client.HTTPException) as e:
+                out = {"status": type(e).__name__, "text": "", "times": [], "clock": [],
+                       "tokens": 0}
+            with lock:
+                results.append(out)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    chunks = sum(window[0] <= t < window[1] for r in results for t in r["clock"])
+    done = [r for r in results if r["status"] == 200 and r["times"] and not r.get("cut")
+            and r["clock"][-1] >= window[0]]
+    ttft = [r["times"][0] for r in done]
+    itl = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1)
+           for r in done if len(r["times"]) > 1]
+    return {"clients": clients, "requests": len(results),
+            "failed": sum(r["status"] != 200 for r in results),
+            "tokens": chunks, "seconds": seconds, "tokens_per_s": round(chunks / seconds, 2),
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "loadavg": loadavg()}
+
+
 def serving(args) -> dict:
     """Both servers up at once (an idle one costs nothing); at each concurrency they take turns,
     ``--rounds`` times in alternating order, and the medians are reported: on a shared machine
@@ -231,8 +288,8 @@ def serving(args) -> dict:
             runs = {kind: [] for kind in kinds}
             for r in range(args.rounds):
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    runs[kind].append(concurrency_run(ports[kind], clients, args.requests,
-                                                      args.max_tokens, PROMPTS))
+                    runs[kind].append(steady_run(ports[kind], clients, args.seconds,
+                                                 args.warmup, args.max_tokens, PROMPTS))
             for kind in kinds:
                 out[kind].append(_median_run(runs[kind]))
     finally:
@@ -271,6 +328,38 @@ def speculation(args) -> dict:
     out["speedup"] = round(out["prompt_lookup"]["tokens_per_s"]
                            / max(out["plain"]["tokens_per_s"], 1e-9), 3)
     return out
+
+
+def ceiling(args) -> dict:
+    """What batching can give on this machine at most: mlx-lm's batched decode step alone (its
+    ``BatchGenerator``, the same prompts, no request arriving or leaving, no HTTP), tokens/s at
+    each batch size and the ratio to batch size 1; a server's throughput at N clients stays
+    below the ratio at N by what arrivals (prefill) and departures cost."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    import mlxspec
+
+    model, tokenizer = mlxspec.load(args.model)
+    rows = []
+    for size in args.clients:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % 16]}],
+                                                 add_generation_prompt=True) for i in range(size)]
+        generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=max(size, 8),
+                                   prefill_step_size=512)
+        generator.insert(prompts, [args.max_tokens + 8] * size)
+        for _ in range(4):  # prefill and the first steps
+            generator.next()
+        tic, tokens = time.perf_counter(), 0
+        for _ in range(args.max_tokens):
+            tokens += len(generator.next()[1])
+        rate = tokens / (time.perf_counter() - tic)
+        generator.close()
+        mx.clear_cache()
+        rows.append({"batch": size, "tokens_per_s": round(rate, 2)})
+    for row in rows:
+        row["vs_batch_1"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+    return {"steps": args.max_tokens, "rows": rows, "loadavg": loadavg()}
 
 
 def batch(args) -> dict:
@@ -380,7 +469,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2)")
     parser.add_argument("--clients", default="1,2,4,8,16")
-    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="requests of the speculation section's client")
+    parser.add_argument("--seconds", type=float, default=20,
+                        help="serving: the measured window of each round")
+    parser.add_argument("--warmup", type=float, default=4,
+                        help="serving: seconds of load before the window opens")
     parser.add_argument("--rounds", type=int, default=3, help="turns per server per concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-prompts", type=int, default=256)
@@ -399,7 +493,8 @@ def main() -> None:
     skip = set(args.skip.split(",")) - {""}
     result = {"model": args.model, "max_tokens": args.max_tokens, "loadavg_start": loadavg(),
               "cpu_count": os.cpu_count()}
-    sections = {"serving": serving, "speculation": speculation, "batch": batch, "load": load_test}
+    sections = {"ceiling": ceiling, "serving": serving, "speculation": speculation,
+                "batch": batch, "load": load_test}
     for name, run in sections.items():
         if name not in skip:
             result[name] = run(args)
