@@ -1,11 +1,12 @@
-"""Continuous batching over mlx-lm's ``BatchGenerator``, with speculative decoding for a lone stream.
+"""Continuous batching over mlx-lm's ``GenerationBatch``, with speculative decoding for a lone stream.
 
 ``Engine`` is the single-threaded core under ``mlxspec.batch`` and ``mlxspec.serve``: requests
 join (``submit``) and leave (``cancel`` or finishing) between decode steps, and every ``step()``
 returns the new tokens as ``Event`` objects. It reads the room:
 
-- two or more streams: one batched forward per step (mlx-lm's ``BatchGenerator``, which also
-  prefills long prompts in chunks of ``prefill_step`` tokens between decode steps);
+- two or more streams: one batched forward per step (``mlxspec.engine_batch.DecodeBatch``:
+  mlx-lm's ``GenerationBatch``, with arriving prompts prefilled in chunks of at most
+  ``prefill_step`` tokens between decode steps);
 - exactly one stream and a drafter configured: the stream leaves the batch and continues with
   speculative decoding (``mlxspec.generate.token_generator``, auto draft length), as long as its
   measured rate beats the measured rate of plain batched decoding of one stream. A second request
@@ -30,12 +31,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, TextStateMachine
+from mlx_lm.generate import TextStateMachine
 from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.cache import make_cache, trim_cache
+from mlxspec.engine_batch import DecodeBatch
 from mlxspec.engine_requests import Event, Request
 from mlxspec.generate import stop_text_state, token_generator
 from mlxspec.sampling import SamplingParams
@@ -56,7 +58,7 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)  # prompt + generated: the whole context
     generated: int = 0
     cached_tokens: int = 0
-    buid: int | None = None  # its uid in the BatchGenerator, None while it decodes alone
+    buid: int | None = None  # its row id in the DecodeBatch, None while it decodes alone
 
 
 @dataclass
@@ -89,9 +91,8 @@ class Engine:
     Args:
         model, tokenizer: the target model (mlxspec.load.load).
         max_batch: the most streams decoded together; more requests wait in the batch queue.
-        prefill_batch: the most prompts prefilled together.
-        prefill_step: prompt tokens per forward (a long prompt is prefilled in chunks of this
-            many tokens, with decode steps of the others in between).
+        prefill_step: prompt tokens per step at most (a long prompt is prefilled in chunks of
+            this many tokens, with decode steps of the others in between).
         draft: a drafter (``mlxspec.engine.make_draft``) or ``None`` for no speculation.
         num_draft_tokens: draft length, or ``"auto"``.
         prompt_cache_size, prompt_cache_bytes: bounds of the cross-request prefix cache
@@ -104,7 +105,6 @@ class Engine:
         tokenizer: TokenizerWrapper,
         *,
         max_batch: int = 32,
-        prefill_batch: int = 8,
         prefill_step: int = 512,
         draft: Any = None,
         num_draft_tokens: int | str = "auto",
@@ -123,13 +123,8 @@ class Engine:
                           "(its KV cache cannot step back once the window wraps)", stacklevel=2)
         self.draft = None if windowed else draft
         self.num_draft_tokens = num_draft_tokens
-        self.generator = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-            completion_batch_size=max_batch,
-            prefill_batch_size=min(prefill_batch, max_batch),
-            prefill_step_size=prefill_step,
-        )
+        self.batch = DecodeBatch(model, tokenizer.eos_token_ids, max_batch=max_batch,
+                                 prefill_step=prefill_step)
         self.prompt_cache = (
             LRUPromptCache(prompt_cache_size, prompt_cache_bytes) if prompt_cache_size > 0 else None
         )
@@ -184,7 +179,7 @@ class Engine:
             self._solo.tokens.close()
             self._solo = None
         elif stream.buid is not None:
-            self.generator.remove([stream.buid])
+            self.batch.remove(stream.buid)
             self._by_buid.pop(stream.buid, None)
 
     @property
@@ -195,7 +190,7 @@ class Engine:
     def close(self) -> None:
         for rid in list(self.streams):
             self.cancel(rid)
-        self.generator.close()
+        self.batch.close()
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -213,7 +208,7 @@ class Engine:
             return []
         alone = len(self.streams) == 1 and next(iter(self.streams.values())).generated > 0
         tic = time.perf_counter()
-        _, responses = self.generator.next()
+        responses = self.batch.next()
         if alone and len(responses) == 1:
             self.plain_rate.add(1, time.perf_counter() - tic)
             self._plain_since_loss += 1
@@ -227,7 +222,7 @@ class Engine:
             if event.finish_reason is not None:
                 self._by_buid.pop(r.uid, None)
                 if r.finish_reason is None:  # a stop string: the batch still holds the stream
-                    self.generator.remove([r.uid])
+                    self.batch.remove(r.uid)
                 elif r.prompt_cache is not None:
                     self._remember(r.all_tokens, r.prompt_cache)
             events.append(event)
@@ -252,7 +247,7 @@ class Engine:
         return self._plain_since_loss >= RETRY_EVERY  # lost last time: try again now and then
 
     def _batch_to_solo(self, stream: _Stream) -> None:
-        cache, _ = self.generator.remove([stream.buid], return_prompt_caches=True)[stream.buid]
+        cache = self.batch.remove(stream.buid)
         self._by_buid.pop(stream.buid, None)
         stream.buid = None
         held = _trim_to(cache, len(stream.tokens) - 1)
@@ -299,13 +294,13 @@ class Engine:
     def _to_batch(self, stream: _Stream, rest: list[int], cache: list[Any] | None) -> None:
         request = stream.request
         history = len(stream.tokens) - len(rest)
-        (stream.buid,) = self.generator.insert(
-            [rest],
-            [request.max_tokens - stream.generated],
-            caches=[cache],
-            all_tokens=[stream.tokens[:history]],
-            samplers=[self._sampler(request.sampling)],
-            logits_processors=[stream.processors],
+        stream.buid = self.batch.insert(
+            rest,
+            cache=cache,
+            tokens=stream.tokens[:history],
+            max_tokens=request.max_tokens - stream.generated,
+            sampler=self._sampler(request.sampling),
+            processors=stream.processors,
         )
         self._by_buid[stream.buid] = stream
 

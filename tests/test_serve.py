@@ -151,6 +151,43 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(smollm2):
     assert text_b == reference(model, tokenizer, long_prompt, 3)[0]
 
 
+def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, monkeypatch):
+    """Prompts arriving together are prefilled in one forward (right-padded, last tokens
+    included) whose logits give their first tokens: no second, per-arrival forward stalls the
+    running stream (mlx-lm's own batching runs one); every stream's tokens equal plain greedy."""
+    model, tokenizer = smollm2
+    prompt_a, prompt_b, prompt_c = (tokenizer.encode(p) for p in PROMPTS[:3])
+    assert len(prompt_b) != len(prompt_c)
+    engine = Engine(model, tokenizer)
+    a = engine.submit(Request(prompt_a, max_tokens=12))
+    texts = {a: ""}
+    for _ in range(3):
+        texts[a] += "".join(e.text for e in engine.step())
+    forwards = []
+    model_call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__",
+                        lambda self, x, *args, **kw: forwards.append(x.shape)
+                        or model_call(self, x, *args, **kw))
+    b = engine.submit(Request(prompt_b, max_tokens=4))
+    c = engine.submit(Request(prompt_c, max_tokens=5))
+    texts[b], texts[c], steps, started = "", "", 0, set()
+    while started != {a, b, c}:
+        steps += 1
+        for event in engine.step():
+            texts[event.rid] += event.text
+            started.add(event.rid)
+    monkeypatch.undo()
+    assert steps == 2  # prefilled during the first step, their first tokens from the second
+    longest = max(len(prompt_b), len(prompt_c))
+    assert sorted(forwards) == sorted([(1, 1), (2, longest), (3, 1)])
+    while engine.streams:
+        for event in engine.step():
+            texts[event.rid] += event.text
+    assert texts == {a: reference(model, tokenizer, prompt_a, 12)[0],
+                     b: reference(model, tokenizer, prompt_b, 4)[0],
+                     c: reference(model, tokenizer, prompt_c, 5)[0]}
+
+
 def test_prefix_cache_holds_only_what_it_counts(smollm2):
     """Memory stays bounded: finished streams' caches in the LRU do not pin the batch's KV."""
     import mlx.core as mx
