@@ -307,3 +307,31 @@ def test_awq_refuses_a_block_whose_inputs_it_cannot_rescale(tmp_path, monkeypatc
     tokens = [list(range(i, i + 48)) for i in range(0, 192, 48)]
     with pytest.raises(QuantizationError, match="use --method gptq"):
         quantize_model(model, bits=4, group_size=32, method="awq", calibration_tokens=tokens)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_embedding_tables_get_the_clipping_search_whatever_the_method(tmp_path, method):
+    """No method calibrates an embedding table (its rows are used as stored), so by default it
+    gets the clipping search on its own squared error; an explicit ``grid`` applies to it too."""
+    from tiny_models import make_tiny_model
+
+    from mlxspec.load import load
+    from mlxspec.quant import layers
+    from mlxspec.quant.quantize import EMBEDDING_GRID, quantize_model
+
+    source = make_tiny_model(tmp_path / "tiny")
+    tokens = [list(range(i, i + 32)) for i in range(0, 128, 32)]
+    for grid, expected_grid in ((None, EMBEDDING_GRID), (1, 1)):
+        model, _ = load(str(source))
+        weight = np.array(model.model.embed_tokens.weight)
+        quantize_model(model, bits=4, group_size=32, method=method, grid=grid,
+                       calibration_tokens=tokens)
+        table = layers.zero_point_modules(model)["model.embed_tokens"]
+        q = zp_format.unpack(np.array(table.weight), 4, table.in_features)
+        z = zp_format.unpack(np.array(table.zeros), 4, table.in_features // 32)
+        got = dense(q, np.array(table.scales.astype(mx.float32)), z, 32)
+        want = dense(*rtn.quantize(weight, 4, 32, grid=expected_grid, dtype="float32"), 32)
+        np.testing.assert_array_equal(got, want)
+    clipped = dense(*rtn.quantize(weight, 4, 32, grid=EMBEDDING_GRID, dtype="float32"), 32)
+    plain = dense(*rtn.quantize(weight, 4, 32, grid=1, dtype="float32"), 32)
+    assert np.sum((clipped - weight) ** 2) < np.sum((plain - weight) ** 2)

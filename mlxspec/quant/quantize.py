@@ -55,6 +55,11 @@ from mlxspec.quant.storage import (
 
 METHODS = ("rtn", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through the model
+# Clipping ratios tried for an embedding table, whatever the method (none calibrates it): its rows
+# are used as they are stored, so the weights' own error is the right objective. Measured with
+# only the (tied) embedding quantized, 4-bit g64, KL on held-out text: SmolLM2 min-max 0.142,
+# clipped 0.124; Gemma-3 (262k rows, 62 % of its weights) 0.261 and 0.213.
+EMBEDDING_GRID = 10
 
 
 # -- calibration text ----------------------------------------------------------------------------
@@ -136,7 +141,8 @@ def quantize_model(
             supported group size that does, instead of an error.
         grid: clipping ratios tried per group (1 = min-max); default 1 for rtn and gptq, 10 for
             awq (whose search is weighted by the activations; see :mod:`mlxspec.quant.rtn` and
-            :data:`mlxspec.quant.awq.DEFAULT_GRID` for the measurements).
+            :data:`mlxspec.quant.awq.DEFAULT_GRID` for the measurements), and 10 for embedding
+            tables whatever the method (:data:`EMBEDDING_GRID`).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of the scales and of
             every unquantized parameter (so of activations and KV cache); default the model's.
             Scales are chosen exact in it (:mod:`mlxspec.quant.zp_format`), so
@@ -153,6 +159,7 @@ def quantize_model(
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     zp_format.check_spec(bits, group_size, group_size)
+    embedding_grid = EMBEDDING_GRID if grid is None else grid
     if grid is None:
         grid = awq.DEFAULT_GRID if method == "awq" else rtn.DEFAULT_GRID
     dtype = getattr(mx, zp_format.dtype_name(dtype if dtype is not None else model_dtype(model)))
@@ -174,7 +181,10 @@ def quantize_model(
             done = _calibrated_blocks(model, plan, calibration, step, advance)
         for path in todo:
             if path not in done:
-                replace_modules(model, {path: _rtn_layer(layers[path], plan[path], grid, dtype)})
+                layer_grid = (embedding_grid if isinstance(layers[path], nn.Embedding)
+                              else grid)
+                replace_modules(model, {path: _rtn_layer(layers[path], plan[path], layer_grid,
+                                                         dtype)})
                 advance()
     cast_floats(model, dtype)
     mx.eval(model.parameters())
