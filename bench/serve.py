@@ -204,17 +204,13 @@ def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
             prompt = prompts[(c * requests + r) % len(prompts)]
             try:
                 out = stream_request(port, chat_body(prompt, max_tokens))
-            except (OSError, http.client.HTTPException) as e:  # a refused or dropped connection
-                out = {"status": type(e).__name__, "text": "", "times": [], "tokens": 0}
+            except (OSError, http.client.HTTPException) as e:
+                out = _connection_failed(e)
             with lock:
                 results.append(out)
 
     tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_clients(clients, client)
     wall = time.perf_counter() - tic
     ok = [r for r in results if r["status"] == 200 and r["times"]]
     tokens = sum(r["tokens"] for r in ok)
@@ -222,10 +218,27 @@ def concurrency_run(port: int, clients: int, requests: int, max_tokens: int,
     itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     return {"clients": clients, "requests": len(results), "failed": len(results) - len(ok),
             "tokens": tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2),
-            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
-            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "tokens_per_s": round(tokens / wall, 2), **_latencies(ttft, itl),
             "loadavg": loadavg()}
+
+
+def _connection_failed(error: Exception) -> dict:
+    """A request's result when the connection was refused or dropped."""
+    return {"status": type(error).__name__, "text": "", "times": [], "clock": [], "tokens": 0}
+
+
+def _run_clients(clients: int, client) -> None:
+    """``client(c)`` for c in range(clients), each in its own thread, all at once."""
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _latencies(ttft: list[float], itl: list[float]) -> dict:
+    return {"ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99)}
 
 
 def steady_run(port: int, clients: int, seconds: float, warmup: float, max_tokens: int,
@@ -248,16 +261,11 @@ def steady_run(port: int, clients: int, seconds: float, warmup: float, max_token
             try:
                 out = stream_request(port, chat_body(prompt, max_tokens), deadline=window[1])
             except (OSError, http.client.HTTPException) as e:
-                out = {"status": type(e).__name__, "text": "", "times": [], "clock": [],
-                       "tokens": 0}
+                out = _connection_failed(e)
             with lock:
                 results.append(out)
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_clients(clients, client)
     chunks = sum(window[0] <= t < window[1] for r in results for t in r["clock"])
     done = [r for r in results if r["status"] == 200 and r["times"] and not r.get("cut")
             and r["clock"][-1] >= window[0]]
@@ -267,9 +275,7 @@ def steady_run(port: int, clients: int, seconds: float, warmup: float, max_token
     return {"clients": clients, "requests": len(results),
             "failed": sum(r["status"] != 200 for r in results),
             "tokens": chunks, "seconds": seconds, "tokens_per_s": round(chunks / seconds, 2),
-            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
-            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
-            "loadavg": loadavg()}
+            **_latencies(ttft, itl), "loadavg": loadavg()}
 
 
 def serving(args) -> dict:

@@ -24,9 +24,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+from mlxspec.cache import make_cache
 
 CLEAR_EVERY = 512  # decode steps between releases of MLX's buffer cache (as mlx-lm's batching)
 
@@ -48,7 +49,7 @@ class _FirstStepDone(GenerationBatch):
     """New rows of a ``GenerationBatch`` whose first step the prefill already did: constructed
     without running it (``_step`` is what the constructor calls)."""
 
-    def _step(self):  # noqa: D401  (only the constructor reaches this class's step)
+    def _step(self):  # only the constructor reaches this class's step
         return [], []
 
 
@@ -77,9 +78,6 @@ class DecodeBatch:
         self._steps = 0
         self._old_wired_limit = maybe_set_recommended_wired_limit()
 
-    def __len__(self) -> int:
-        return len(self.rows) + len(self.pending)
-
     def insert(
         self,
         rest: list[int],
@@ -93,7 +91,7 @@ class DecodeBatch:
         """Queue a row: ``rest`` (non-empty) is to be prefilled on top of ``cache`` (None: a new
         one), which holds ``tokens``. Returns the row's id."""
         uid = next(self._uids)
-        cache = make_prompt_cache(self.model) if cache is None else cache
+        cache = make_cache(self.model) if cache is None else cache
         self.pending.append(
             _Pending(uid, list(rest), cache, list(tokens), max_tokens, sampler, list(processors)))
         return uid
