@@ -393,11 +393,19 @@ def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
             time.sleep(0.01)
         return sorted(values)[n // 2]
 
-    baseline = sample()  # whatever else runs on this machine
-    spinner = threading.Thread(target=spin, args=(0.6,))  # this process busy: not counted
-    spinner.start()
-    alone = sample()
-    spinner.join()
+    # Whatever else runs on this machine comes and goes (a parallel test worker, a build), so
+    # the baseline is taken again before each try; counting this process's own spinning thread
+    # would add 1 in every try.
+    tries = []
+    for _ in range(3):
+        baseline = sample()
+        spinner = threading.Thread(target=spin, args=(0.6,))  # this process busy: not counted
+        spinner.start()
+        alone = sample()
+        spinner.join()
+        tries.append((alone, baseline))
+        if alone < baseline + 1:
+            break
     other = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
                               "while time.time() - t < 3: pass\n"])
     try:
@@ -406,7 +414,7 @@ def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
     finally:
         other.kill()
         other.wait()
-    assert alone < baseline + 1, (alone, baseline)
+    assert any(alone < baseline + 1 for alone, baseline in tries), tries
     # The spinning child is runnable in every snapshot (running or waiting for a core); what
     # else was running at baseline may have stopped meanwhile, so it is not added here.
     assert with_other >= 1, (with_other, baseline)
