@@ -18,11 +18,11 @@ side with mlx-lm's own affine quantization at the same bits.
 - exactness cost (``--exactness-cost``): KL of RTN with scales exact in float16/bfloat16 (the
   default MLX affine output) against float32 scales, at 4 and 8 bits.
 - mlx-lm anchors (``--mlx-lm-anchors gptq,awq [--anchor-cases 4g64,4g32,8g64]
-  [--anchor-rows rows.jsonl]``): mlx-lm's own ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` against
-  mlxspec's ``quantize_to_dir`` (rtn, gptq, awq) at equal storage, on the same source and
-  calibration text, all loaded back from disk and evaluated the same way; each row is appended to
-  the JSONL as it finishes and a rerun skips the rows already there (mlx_lm.awq takes about an
-  hour per case on SmolLM2 here).
+  [--anchor-rows rows.jsonl] [--anchor-calibration 32x256]``): mlx-lm's own
+  ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` against mlxspec's ``quantize_to_dir`` (rtn, gptq,
+  awq) at equal storage, on the same source and calibration text, all loaded back from disk and
+  evaluated the same way; each row is appended to the JSONL as it finishes and a rerun skips the
+  rows already there (mlx_lm.awq takes one to two hours per case on SmolLM2 here).
 - kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
   ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
 
@@ -191,14 +191,21 @@ _RUN_WITH_MLXSPEC_BLAS = ("import sys, importlib, mlxspec; name = sys.argv.pop(1
 
 
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
-            methods=("rtn", "gptq", "awq"), rows_file: str | None = None) -> list[dict]:
+            methods=("rtn", "gptq", "awq"), rows_file: str | None = None,
+            calibration: tuple[int, int] | None = None) -> list[dict]:
     """mlx-lm's own learned quantizers (``mlx_lm.quant.gptq`` / ``mlx_lm.quant.awq``) against
     mlxspec's ``quantize_to_dir`` at the same bits, group size and storage: both write MLX affine
     directories from the same float32 source with float32 scales and biases (equal bits per
     weight), both calibrate on mlxspec's calibration text (mlx-lm reads it offline from
     ``~/.cache/mlx-lm/calibration_v5.txt``), each with its own default amount of it; both are
     loaded back from disk and evaluated on the held-out evaluation text against the source.
-    Rows are appended to ``rows_file`` as they finish (the whole run takes hours on 2 cores)."""
+    ``calibration = (windows, tokens)`` overrides mlxspec's default amount (32 x 256; mlx-lm's
+    tools take every 512-token window of the text). Each row records the amount used and the
+    evaluated tokens: on the default 4 windows (1,020 tokens) two calibrations of one method
+    differ by up to 30 % where 24-32 windows put them within 10 %
+    (``bench/results/calibration_window_length.json``), so compare close cells with
+    ``--windows 24`` or more. Rows are appended to ``rows_file`` as they finish (the whole run
+    takes hours on 2 cores)."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -242,18 +249,26 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             if not (out / "config.json").exists():
                 raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
         else:
+            windows, tokens = calibration or (None, None)
             quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=method,
                             dtype="float32", group_fallback=True, force=True, evaluate=False,
-                            progress=False)
+                            progress=False, calibration_windows=windows,
+                            calibration_tokens=tokens)
         seconds = time.perf_counter() - start
+        record = json.loads((out / "config.json").read_text()).get("quantization", {})
+        used = None  # the calibration amount: RTN has none
+        if method.startswith("mlx_lm."):
+            used = "every 512-token window"  # their defaults: all samples, sequence length 512
+        elif "calibration_windows" in record:
+            used = f"{record['calibration_windows']} x {record['calibration_window_tokens']}"
         model, _ = load(str(out))
         result = compare(model, cached, eval_windows)
         row = {"model": name, "method": method, "bits": bits, "group_size": group_size,
                "bits_per_weight": round(q.bits_per_weight(model), 3),
                "weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-               "quantize_seconds": round(seconds, 1),
+               "quantize_seconds": round(seconds, 1), "calibration": used,
                **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
-                                         "reference_perplexity")}}
+                                         "reference_perplexity", "tokens")}}
         print(json.dumps(row), file=sys.stderr, flush=True)
         if rows_file:
             with open(rows_file, "a") as f:
@@ -396,6 +411,10 @@ def main() -> None:
                         help="bits and group sizes of the anchor comparison")
     parser.add_argument("--anchor-methods", default="rtn,gptq,awq",
                         help="mlxspec's methods in the anchor comparison")
+    parser.add_argument("--anchor-calibration", default=None,
+                        help="WINDOWSxTOKENS: mlxspec's calibration amount in the anchor "
+                             "comparison (default: mlxspec's default; a rows file holds one "
+                             "amount: give each its own --anchor-rows)")
     parser.add_argument("--anchor-rows", default=None,
                         help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -427,10 +446,13 @@ def main() -> None:
     if args.mlx_lm_anchors:
         tools = args.mlx_lm_anchors.split(",")
         cases = [tuple(int(x) for x in c.split("g")) for c in args.anchor_cases.split(",")]
+        calibration = (tuple(int(x) for x in args.anchor_calibration.split("x"))
+                       if args.anchor_calibration else None)
         result["mlx_lm_anchors"] = [
             r for n in names
             for r in anchors(n, args.windows, args.anchor_dir, cases=cases, tools=tools,
-                             methods=args.anchor_methods.split(","), rows_file=args.anchor_rows)
+                             methods=args.anchor_methods.split(","), rows_file=args.anchor_rows,
+                             calibration=calibration)
         ]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))
