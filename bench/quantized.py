@@ -18,11 +18,12 @@ side with mlx-lm's own affine quantization at the same bits.
 - exactness cost (``--exactness-cost``): KL of RTN with scales exact in float16/bfloat16 (the
   default MLX affine output) against float32 scales, at 4 and 8 bits.
 - mlx-lm anchors (``--mlx-lm-anchors gptq,awq [--anchor-cases 4g64,4g32,8g64]
-  [--anchor-rows rows.jsonl] [--anchor-calibration 32x256]``): mlx-lm's own
+  [--anchor-rows rows.jsonl] [--anchor-calibration 32x256] [--anchor-reuse]``): mlx-lm's own
   ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` against mlxspec's ``quantize_to_dir`` (rtn, gptq,
-  awq) at equal storage, on the same source and calibration text, all loaded back from disk and
-  evaluated the same way; each row is appended to the JSONL as it finishes and a rerun skips the
-  rows already there (mlx_lm.awq takes one to two hours per case on SmolLM2 here).
+  awq, awq+gptq) at equal storage, on the same source and calibration text, all loaded back from
+  disk and evaluated the same way (in float32 on their dequantized weights); each row is
+  appended to the JSONL as it finishes and a rerun skips the rows already there (mlx_lm.awq takes
+  one to two hours per case on SmolLM2 here; ``--anchor-reuse`` evaluates its directories again).
 - kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
   ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
 
@@ -191,8 +192,8 @@ _RUN_WITH_MLXSPEC_BLAS = ("import sys, importlib, mlxspec; name = sys.argv.pop(1
 
 
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
-            methods=("rtn", "gptq", "awq"), rows_file: str | None = None,
-            calibration: tuple[int, int] | None = None) -> list[dict]:
+            methods=("rtn", "gptq", "awq", "awq+gptq"), rows_file: str | None = None,
+            calibration: tuple[int, int] | None = None, reuse: bool = False) -> list[dict]:
     """mlx-lm's own learned quantizers (``mlx_lm.quant.gptq`` / ``mlx_lm.quant.awq``) against
     mlxspec's ``quantize_to_dir`` at the same bits, group size and storage: both write MLX affine
     directories from the same float32 source with float32 scales and biases (equal bits per
@@ -205,10 +206,18 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
     differ by up to 30 % where 24-32 windows put them within 10 %
     (``bench/results/calibration_window_length.json``), so compare close cells with
     ``--windows 24`` or more. Rows are appended to ``rows_file`` as they finish (the whole run
-    takes hours on 2 cores)."""
+    takes hours on 2 cores). ``reuse``: an mlx-lm output directory already in ``out_root`` is
+    evaluated as it is (its ``quantize_seconds`` is then None): mlx_lm.awq takes hours here.
+
+    Both sides are evaluated in float32 on their exact dequantized weights: mlx-lm's
+    ``QuantizedLinear`` layers through ``mlx_lm.utils.dequantize_model`` (MLX's CPU
+    ``quantized_matmul`` does not use BLAS: 24 Gemma-3 windows took ~30 min), mlxspec's
+    zero-point layers through their own dense CPU path."""
     import shutil
     import subprocess
     from pathlib import Path
+
+    from mlx_lm.utils import dequantize_model
 
     from mlxspec.evaluation import builtin_windows, compare
     from mlxspec.load import load, resolve_model_path
@@ -236,8 +245,9 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             rows.append(done[(name, bits, group_size, method)])
             continue
         out = Path(out_root) / f"{name}-{method}-{bits}g{group_size}"
+        reused = method.startswith("mlx_lm.") and reuse and (out / "config.json").exists()
         start = time.perf_counter()
-        if method.startswith("mlx_lm."):
+        if method.startswith("mlx_lm.") and not reused:
             tool = method.split(".")[1]
             extra = (["--fallback-bits", str(bits), "--fallback-group-size", str(group_size)]
                      if tool == "gptq" else ["--embed-bits", str(bits),
@@ -248,13 +258,13 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                             "--group-size", str(group_size), *extra], check=True)
             if not (out / "config.json").exists():
                 raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
-        else:
+        elif not reused:
             windows, tokens = calibration or (None, None)
             quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=method,
                             dtype="float32", group_fallback=True, force=True, evaluate=False,
                             progress=False, calibration_windows=windows,
                             calibration_tokens=tokens)
-        seconds = time.perf_counter() - start
+        seconds = None if reused else round(time.perf_counter() - start, 1)
         record = json.loads((out / "config.json").read_text()).get("quantization", {})
         used = None  # the calibration amount: RTN has none
         if method.startswith("mlx_lm."):
@@ -262,11 +272,12 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
         elif "calibration_windows" in record:
             used = f"{record['calibration_windows']} x {record['calibration_window_tokens']}"
         model, _ = load(str(out))
-        result = compare(model, cached, eval_windows)
+        bits_per_weight = round(q.bits_per_weight(model), 3)
+        result = compare(dequantize_model(model), cached, eval_windows)
         row = {"model": name, "method": method, "bits": bits, "group_size": group_size,
-               "bits_per_weight": round(q.bits_per_weight(model), 3),
+               "bits_per_weight": bits_per_weight,
                "weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-               "quantize_seconds": round(seconds, 1), "calibration": used,
+               "quantize_seconds": seconds, "calibration": used,
                **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
                                          "reference_perplexity", "tokens")}}
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -409,12 +420,15 @@ def main() -> None:
                         help="where the anchors' models (mlx-lm's and mlxspec's) are written")
     parser.add_argument("--anchor-cases", default="4g64,4g32,8g64",
                         help="bits and group sizes of the anchor comparison")
-    parser.add_argument("--anchor-methods", default="rtn,gptq,awq",
+    parser.add_argument("--anchor-methods", default="rtn,gptq,awq,awq+gptq",
                         help="mlxspec's methods in the anchor comparison")
     parser.add_argument("--anchor-calibration", default=None,
                         help="WINDOWSxTOKENS: mlxspec's calibration amount in the anchor "
                              "comparison (default: mlxspec's default; a rows file holds one "
                              "amount: give each its own --anchor-rows)")
+    parser.add_argument("--anchor-reuse", action="store_true",
+                        help="evaluate mlx-lm output directories already in --anchor-dir as "
+                             "they are instead of quantizing again")
     parser.add_argument("--anchor-rows", default=None,
                         help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -451,8 +465,9 @@ def main() -> None:
         result["mlx_lm_anchors"] = [
             r for n in names
             for r in anchors(n, args.windows, args.anchor_dir, cases=cases, tools=tools,
-                             methods=args.anchor_methods.split(","), rows_file=args.anchor_rows,
-                             calibration=calibration)
+                             methods=[m for m in args.anchor_methods.split(",") if m],
+                             rows_file=args.anchor_rows,
+                             calibration=calibration, reuse=args.anchor_reuse)
         ]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))

@@ -12,7 +12,7 @@ from mlxspec.cli.common import gate_options
 
 # Spelled out here so that `mlxspec --help` needs no mlx; tests/test_quantize_cli.py checks that
 # they match the library's METHODS and FORMATS.
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 FORMATS = ("mlx", "zp")
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -25,10 +25,11 @@ DTYPES = ("float16", "bfloat16", "float32")
               help="Bits per weight: 4 or 8 (2 and 3 also work, with a large quality loss).")
 @click.option("--group-size", "-g", default=64, show_default=True, type=int,
               help="Weights sharing one scale and zero-point: 32, 64 or 128.")
-@click.option("--method", default="gptq", show_default=True, type=click.Choice(METHODS),
-              help="rtn: round-to-nearest with a clipping search; gptq: calibrated (error "
-                   "feedback), slower; awq: calibrated (activation-aware scales folded into the "
-                   "norms).")
+@click.option("--method", default=None, type=click.Choice(METHODS),
+              help="awq+gptq (default; gptq with --act-order): activation-aware scales folded "
+                   "into the norms, then GPTQ's error-feedback roundings, the most accurate; "
+                   "gptq: error feedback only, faster; awq: the scales with weighted "
+                   "round-to-nearest; rtn: round-to-nearest, no calibration text.")
 @click.option("--format", "output_format", default="mlx", show_default=True,
               type=click.Choice(FORMATS),
               help="mlx: MLX affine layout, exact (scales and biases in --dtype encode "
@@ -49,12 +50,12 @@ DTYPES = ("float16", "bfloat16", "float32")
 @click.option("--act-order", is_flag=True,
               help="GPTQ: quantize columns by decreasing activation (zp format only).")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
-              help="Calibration text for gptq/awq (UTF-8; default: the built-in public-domain "
-                   "text).")
+              help="Calibration text for the calibrated methods (UTF-8; default: the built-in "
+                   "public-domain text).")
 @click.option("--calibration-windows", "n_windows", default=None, type=click.IntRange(min=1),
-              help="gptq/awq: number of calibration windows  [default: 32]")
+              help="Calibrated methods: number of calibration windows  [default: 32]")
 @click.option("--calibration-tokens", "window_tokens", default=None, type=click.IntRange(min=8),
-              help="gptq/awq: tokens per calibration window  [default: 256]")
+              help="Calibrated methods: tokens per calibration window  [default: 256]")
 @click.option("--force", is_flag=True,
               help="Replace --out if it is a model directory mlxspec wrote (or empty).")
 @click.option("--no-eval", is_flag=True,
@@ -81,10 +82,10 @@ def command(model, out_dir, bits, group_size, method, output_format, dtype, reci
 
     \b
     Examples:
-      mlxspec quantize --out smollm2-q4                     # 4-bit GPTQ, group size 64
+      mlxspec quantize --out smollm2-q4                     # 4-bit AWQ+GPTQ, group size 64
       mlxspec quantize --out smollm2-q4 --mixed embed8      # head and embeddings at 8 bits
       mlxspec quantize --out smollm2-q8 --bits 8 --method rtn
-      mlxspec quantize --out smollm2-awq --method awq       # activation-aware scaling
+      mlxspec quantize --out smollm2-gptq --method gptq     # GPTQ alone: faster
       mlxspec quantize model.gguf --out q4 --dtype bfloat16   # half-precision scales
       mlxspec quantize --out q4-act --act-order --format zp  # act-order: zero-point layout
       mlxspec quantize --out q4 -g 128 --group-fallback     # g128 where the width allows

@@ -24,6 +24,9 @@ from typing import Any
 from mlxspec.errors import OutputExistsError, QuantizationError
 
 ModelSpec = str | Path | None  # a Hub repo id, a model directory, a .gguf file; None: the default
+# The most accurate method in every cell of bench/quantized.py's comparison (README), at about
+# twice GPTQ's time (SmolLM2 4-bit: 204 s against 123 s here).
+DEFAULT_METHOD = "awq+gptq"
 
 
 @dataclass
@@ -57,7 +60,7 @@ def quantize_to_dir(
     *,
     bits: int = 4,
     group_size: int = 64,
-    method: str = "gptq",
+    method: str | None = None,
     output_format: str = "mlx",
     dtype: str | None = None,
     recipe: str | dict | None = None,
@@ -85,7 +88,8 @@ def quantize_to_dir(
         out_dir: the directory to create (replaced only with ``force``, and only if it is empty
             or a model directory mlxspec wrote).
         bits, group_size: see :mod:`mlxspec.quant.zp_format`.
-        method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
+        method: ``"rtn"``, ``"gptq"``, ``"awq"`` or ``"awq+gptq"``; None: ``"awq+gptq"`` (the
+            most accurate; ``"gptq"`` with ``act_order``, which only GPTQ has).
         output_format: ``"mlx"`` (MLX affine, exact; plain mlx-lm loads it) or ``"zp"``
             (mlxspec zero-point, for what affine cannot express: act-order).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` for the scales, biases and
@@ -94,8 +98,8 @@ def quantize_to_dir(
             ``"auto:BPW"`` to measure each kind of layer's sensitivity.
         group_fallback: layers whose width ``group_size`` does not divide use a smaller group.
         act_order: GPTQ visits columns by decreasing activation (zp format only).
-        calibration, calibration_windows, calibration_tokens: the calibration text for gptq/awq
-            (default: the built-in text) and how much of it to use.
+        calibration, calibration_windows, calibration_tokens: the calibration text of the
+            calibrated methods (default: the built-in text) and how much of it to use.
         evaluate: run the quality gate (against ``reference``, default the source).
         thresholds: the gate's ``{"max_kl", "min_top1"}`` (None entries keep the defaults).
         upload_repo, private, force_upload: upload to this Hub repo (see :func:`mlxspec.hub.upload`).
@@ -113,6 +117,8 @@ def quantize_to_dir(
     from mlxspec.quant.quantize import CALIBRATED, quantize_model
 
     step = on_step or (lambda _name, _report: None)
+    if method is None:
+        method = "gptq" if act_order else DEFAULT_METHOD
     _check_options(bits, group_size, method, output_format, act_order)
     target_bpw = _auto_target(recipe, bits)
     if recipe is not None and target_bpw is None and not isinstance(recipe, dict):

@@ -84,7 +84,7 @@ def test_quantize_writes_a_complete_directory_that_mlxspec_loads(tiny_dir, tiny_
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert not [p for p in tiny_quantized.parent.iterdir() if p.name.startswith(".")]
     record = json.loads((tiny_quantized / "config.json").read_text())["quantization"]
-    assert record["format"] == "zp" and record["method"] == "gptq"
+    assert record["format"] == "zp" and record["method"] == "awq+gptq"  # the default
     assert record["bits"] == 4 and record["group_size"] == 32
     assert record["mlxspec_version"]
     assert record["source_model"] == str(tiny_dir.resolve())
@@ -195,6 +195,21 @@ def test_the_cli_spells_the_library_choices():
 
     assert set(command.METHODS) == set(METHODS)
     assert set(command.FORMATS) == set(FORMATS)
+
+
+def test_act_order_without_a_method_means_gptq(tiny_dir, tmp_path):
+    """The default method (awq+gptq) has no act-order; asking for act-order alone picks GPTQ
+    instead of refusing a flag combination the user never wrote."""
+    from mlxspec import quantize_to_dir
+    from mlxspec.errors import QuantizationError
+
+    report = quantize_to_dir(tiny_dir, tmp_path / "act", group_size=32, act_order=True,
+                             output_format="zp", calibration_windows=2, calibration_tokens=32,
+                             evaluate=False, progress=False)
+    assert report.quantization["method"] == "gptq" and report.quantization["act_order"] is True
+    with pytest.raises(QuantizationError, match="--act-order applies to --method gptq only"):
+        quantize_to_dir(tiny_dir, tmp_path / "x", act_order=True, method="awq+gptq",
+                        output_format="zp", progress=False)
 
 
 def test_quantize_to_dir_reports_what_it_did_and_gates_against_the_source(tiny_dir, tmp_path):

@@ -22,22 +22,26 @@ so ``alpha = 0`` (plain RTN) is always a candidate. The search rounds min-max; t
 are kept only if they still lower that error with the final quantizer (:func:`scaling_helps`).
 The quantized weights then come from
 :func:`mlxspec.quant.rtn.quantize` with the clipping search weighted by each column's activation
-energy (``diag H / s**2``). Folding is checked: the float block must give the same outputs after
-it, else quantizing stops with an error naming the block.
+energy (``diag H / s**2``), or, with ``rounding="gptq"`` (``--method awq+gptq``), from GPTQ on the
+scaled weights with the scaled inputs' Hessian ``H / (s s.T)``: the scales decide how fine each
+channel's steps are, GPTQ's error feedback then chooses the roundings. Folding is checked: the
+float block must give the same outputs after it, else ``awq`` stops with an error naming the
+block and ``awq+gptq`` restores the block and gives it plain GPTQ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxspec.errors import QuantizationError
-from mlxspec.quant import rtn
+from mlxspec.quant import gptq, rtn
 from mlxspec.quant.layers import zero_point_like
 from mlxspec.quant.zp_format import dtype_name
 
@@ -168,21 +172,57 @@ def scale_columns(linear: nn.Module, s: np.ndarray) -> None:
 class AWQ:
     """The :class:`mlxspec.quant.calibrate.BlockQuantizer` step of ``--method awq``: search and
     fold scales for each group of linears sharing an input, check the float block is unchanged,
-    then quantize with importance-weighted RTN."""
+    then quantize with importance-weighted RTN (``rounding="rtn"``) or GPTQ (``"gptq"``). With
+    GPTQ rounding, a block whose scales cannot be folded is restored and quantized with plain
+    GPTQ (named in ``unscaled_blocks``); with RTN rounding it is an error."""
 
     grid: int = DEFAULT_GRID
     dtype: mx.Dtype = mx.float16
+    rounding: str = "rtn"
+    damp: float = gptq.DEFAULT_DAMP
+    unscaled_blocks: list[str] = field(default_factory=list)  # awq+gptq blocks left unscaled
     needs_norms: ClassVar[bool] = True
 
     def quantize_block(self, block, prefix: str, targets: dict, recorders: dict, plan: dict,
                        check: tuple) -> dict:
+        saved = tree_flatten(block.parameters())
+        try:
+            hessians = self._scale(block, prefix, targets, recorders, plan, check)
+        except QuantizationError:
+            if self.rounding != "gptq":
+                raise
+            # awq+gptq is the default method: a block whose scales cannot be folded gets plain
+            # GPTQ (its float weights restored) instead of stopping the whole quantization
+            block.update(tree_unflatten(saved))
+            hessians = {name: recorders[name].hessian.matrix() for name in targets}
+            self.unscaled_blocks.append(prefix)
+        quantized = {}
+        for name, module in targets.items():
+            spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
+            if self.rounding == "gptq":
+                q, scales, zeros, _ = gptq.quantize(w, hessians[name], spec.bits, spec.group_size,
+                                                    damp=self.damp, grid=self.grid,
+                                                    dtype=dtype_name(self.dtype))
+            else:
+                q, scales, zeros = rtn.quantize(
+                    w, spec.bits, spec.group_size, grid=self.grid,
+                    importance=np.diag(hessians[name]).astype(np.float32),
+                    dtype=dtype_name(self.dtype))
+            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
+                                              group_size=spec.group_size, dtype=self.dtype)
+        return quantized
+
+    def _scale(self, block, prefix: str, targets: dict, recorders: dict, plan: dict,
+               check: tuple) -> dict[str, np.ndarray]:
+        """Search and fold the scales of each group of targets sharing an input; returns each
+        target's input Hessian as the scaled weights see it (``H / (s s.T)``, or H unscaled)."""
         modules = dict(block.named_modules())
         groups: dict[int, list[str]] = {}
         for name in targets:
             groups.setdefault(id(recorders[name].hessian), []).append(name)
         x, args, kwargs = check
         before = block(x, *args, **kwargs)
-        importance = {}  # each target's input energy per column, after the input is divided by s
+        hessians = {}
         for names in groups.values():
             h = recorders[names[0]].hessian.matrix()
             source, fold = recorders[names[0]].source, None
@@ -191,7 +231,7 @@ class AWQ:
             elif len(names) == 1 and names[0].endswith("down_proj"):
                 up = modules.get(names[0][: -len("down_proj")] + "up_proj")
                 fold = None if up is None else partial(fold_into_rows, up)
-            importance.update({n: np.diag(h) for n in names})  # divided by s**2 if scaled below
+            hessians.update({n: h for n in names})  # divided by s s.T if scaled below
             if fold is None:
                 continue
             specs = [plan[f"{prefix}.{n}"] for n in names]
@@ -203,7 +243,7 @@ class AWQ:
             fold(s)
             for n in names:
                 scale_columns(targets[n], s)
-                importance[n] = importance[n] / s.astype(np.float64) ** 2
+                hessians[n] = h / np.outer(s, s).astype(np.float64)
         after = block(x, *args, **kwargs)
         drift = (mx.linalg.norm((after - before).astype(mx.float32))
                  / mx.linalg.norm(before.astype(mx.float32))).item()
@@ -212,12 +252,4 @@ class AWQ:
                 f"AWQ scaling changed the float outputs of {prefix} (relative {drift:.2g}): this "
                 "architecture is not supported by --method awq; use --method gptq"
             )
-        quantized = {}
-        for name, module in targets.items():
-            spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
-            q, scales, zeros = rtn.quantize(w, spec.bits, spec.group_size, grid=self.grid,
-                                            importance=importance[name].astype(np.float32),
-                                            dtype=dtype_name(self.dtype))
-            quantized[name] = zero_point_like(module, q, scales, zeros, bits=spec.bits,
-                                              group_size=spec.group_size, dtype=self.dtype)
-        return quantized
+        return hessians

@@ -21,6 +21,7 @@ Methods:
 - ``awq``: the same block-by-block walk; each group of linears sharing an input gets
   activation-aware scales folded into the norm or linear producing that input, then
   importance-weighted ``rtn`` (:class:`mlxspec.quant.awq.AWQ`).
+- ``awq+gptq``: AWQ's scales, then GPTQ on the scaled weights with the scaled inputs' Hessian.
 
 Each calibrated method is one :class:`~mlxspec.quant.calibrate.BlockQuantizer`; this module only
 plans, walks the blocks and records what was done.
@@ -53,8 +54,8 @@ from mlxspec.quant.storage import (
     model_dtype,
 )
 
-METHODS = ("rtn", "gptq", "awq")
-CALIBRATED = ("gptq", "awq")  # the methods that run calibration text through the model
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that run calibration text through the model
 # Clipping ratios tried for an embedding table, whatever the method (none calibrates it): its rows
 # are used as they are stored, so the weights' own error is the right objective. Measured with
 # only the (tied) embedding quantized, 4-bit g64, KL on held-out text: SmolLM2 min-max 0.142,
@@ -133,8 +134,8 @@ def quantize_model(
     Args:
         model: an unquantized mlx-lm model.
         bits, group_size: defaults for every layer (see :mod:`mlxspec.quant.zp_format`).
-        method: ``"rtn"``, ``"gptq"`` or ``"awq"``.
-        calibration_tokens: for ``gptq`` and ``awq``: token windows, ``(n, T)`` ints (list of lists or mx).
+        method: ``"rtn"``, ``"gptq"``, ``"awq"`` or ``"awq+gptq"``.
+        calibration_tokens: for the calibrated methods: token windows, ``(n, T)`` ints (list of lists or mx).
         recipe: a recipe dict, or a name/path for :func:`load_recipe`.
         act_order: GPTQ visits columns by decreasing activation (stored with ``perm``; zp only).
         group_fallback: layers whose input size ``group_size`` does not divide use the largest
@@ -174,10 +175,12 @@ def quantize_model(
     layers = quantizable_layers(model)
     todo = [p for p, spec in plan.items() if spec is not None]
     with progress_bar(f"quantizing ({method}, {bits}-bit)", len(todo), progress) as advance:
-        done = set()
+        done, step = set(), None
         if calibration is not None:
             step = (gptq.GPTQ(act_order=act_order, damp=damp, grid=grid, dtype=dtype)
-                    if method == "gptq" else awq.AWQ(grid=grid, dtype=dtype))
+                    if method == "gptq" else
+                    awq.AWQ(grid=grid, dtype=dtype, damp=damp,
+                            rounding="gptq" if method == "awq+gptq" else "rtn"))
             done = _calibrated_blocks(model, plan, calibration, step, advance)
         for path in todo:
             if path not in done:
@@ -203,6 +206,8 @@ def quantize_model(
         },
         "bits_per_weight": round(bits_per_weight(model), 4),
     }
+    if getattr(step, "unscaled_blocks", None):  # awq+gptq: blocks AWQ's scales could not fold into
+        quantization["awq_unscaled_blocks"] = list(step.unscaled_blocks)
     quantization["mlxspec_version"] = version("mlxspec")
     return model, quantization
 
