@@ -241,9 +241,11 @@ class AWQ:
             if not scaling_helps(weights, h, s, bits, group_size, self.grid, dtype_name(self.dtype)):
                 continue
             fold(s)
+            s64 = s.astype(np.float64)
+            scaled = h / np.outer(s64, s64)  # one array for the group (in x in float64 each)
             for n in names:
                 scale_columns(targets[n], s)
-                hessians[n] = h / np.outer(s, s).astype(np.float64)
+                hessians[n] = scaled
         after = block(x, *args, **kwargs)
         drift = (mx.linalg.norm((after - before).astype(mx.float32))
                  / mx.linalg.norm(before.astype(mx.float32))).item()

@@ -153,7 +153,8 @@ def quantize_model(
     Returns:
         ``(model, quantization)``: the same model object, and the ``quantization`` entry for
         ``config.json`` (``format``, ``method``, ``bits``, ``group_size``, per-layer exceptions in
-        ``layers``, ``bits_per_weight``, ...).
+        ``layers``, ``bits_per_weight``, ...; ``awq_unscaled_blocks`` when awq+gptq left blocks
+        unscaled).
     """
     if method not in METHODS:
         raise QuantizationError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
