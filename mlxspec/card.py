@@ -254,7 +254,7 @@ def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:
                 f"{size} on disk.", ""]
     fmt = q.get("format")
     rows = [
-        ("method", q.get("method") or "round-to-nearest (mlx-lm affine)"),
+        ("method", _method(q)),
         ("bits", q.get("bits")),
         ("group size", q.get("group_size")),
         ("format", FORMAT_DESCRIPTIONS.get(fmt, fmt)),
@@ -266,6 +266,15 @@ def _quantization_section(model_dir: Path, config: dict[str, Any]) -> list[str]:
     lines = ["## Quantization", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows if v is not None]
     return lines + [""]
+
+
+def _method(q: dict[str, Any]) -> str:
+    """The method's name, and the blocks awq+gptq had to leave without AWQ's scales."""
+    method = q.get("method") or "round-to-nearest (mlx-lm affine)"
+    unscaled = q.get("awq_unscaled_blocks")
+    if isinstance(unscaled, list) and unscaled:
+        method += f" (plain GPTQ where AWQ's scales could not be folded: {', '.join(unscaled)})"
+    return method
 
 
 def _bits_per_weight(q: dict[str, Any], stats: dict[str, float]) -> float:

@@ -194,6 +194,17 @@ def test_card_recommends_a_draft_and_names_the_base_model(tmp_path):
     assert "No evaluation results" in body
 
 
+def test_card_names_the_blocks_awq_gptq_left_unscaled(tmp_path):
+    model = make_tiny_model(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization"] = {"bits": 4, "group_size": 64, "format": "zp", "method": "awq+gptq",
+                              "awq_unscaled_blocks": ["model.layers.0", "model.layers.1"]}
+    (model / "config.json").write_text(json.dumps(config))
+    body = card.model_card(model, "me/tiny-q4").split("---\n", 2)[2]
+    assert ("| method | awq+gptq (plain GPTQ where AWQ's scales could not be folded: "
+            "model.layers.0, model.layers.1) |") in body
+
+
 def test_quantize_gate_refuses_a_failing_model_and_keeps_its_results(models, hub_env, tmp_path):
     out = tmp_path / "q4-fail"
     result = CliRunner().invoke(cli, [
