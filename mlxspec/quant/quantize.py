@@ -140,8 +140,8 @@ def quantize_model(
         act_order: GPTQ visits columns by decreasing activation (stored with ``perm``; zp only).
         group_fallback: layers whose input size ``group_size`` does not divide use the largest
             supported group size that does, instead of an error.
-        grid: clipping ratios tried per group (1 = min-max); default 1 for rtn and gptq, 10 for
-            awq (whose search is weighted by the activations; see :mod:`mlxspec.quant.rtn` and
+        grid: clipping ratios tried per group (1 = min-max); default 1 for rtn, gptq and awq+gptq
+            (whose roundings are GPTQ's), 10 for awq (whose search is weighted by the activations; see :mod:`mlxspec.quant.rtn` and
             :data:`mlxspec.quant.awq.DEFAULT_GRID` for the measurements), and 10 for embedding
             tables whatever the method (:data:`EMBEDDING_GRID`).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of the scales and of
