@@ -189,6 +189,18 @@ ANCHOR_CASES = ((4, 64), (4, 32), (8, 64))
 # (mlx_lm.quant.awq has no __main__ guard: its main() is called, as its console script does.)
 _RUN_WITH_MLXSPEC_BLAS = ("import sys, importlib, mlxspec; name = sys.argv.pop(1); "
                           "sys.argv[0] = name; importlib.import_module(name).main()")
+# mlx_lm.quant.awq runs every block twice through nn.QuantizedLinear (its loss before and after
+# the search decides whether to keep the search's result), and MLX's CPU quantized_matmul has no
+# BLAS: 223 s of a SmolLM2 block here, 98 s with those layers computed as x @ dequantize(w).T,
+# the same product in float32. Only the layers' forward changes: the search, its clipping and the
+# weights it writes are mlx-lm's own.
+_DENSE_QUANTIZED_LINEAR = (
+    "import mlxspec, mlx.core as mx, mlx.nn as nn  # mlxspec first: its BLAS\n"
+    "def _dense_call(self, x):\n"
+    "    w = mx.dequantize(self.weight, self.scales, self.get('biases'), self.group_size,\n"
+    "                      self.bits, mode=self.mode)\n"
+    "    return x @ w.T + self['bias'] if 'bias' in self else x @ w.T\n"
+    "nn.QuantizedLinear.__call__ = _dense_call\n")
 
 
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
@@ -253,7 +265,8 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                      if tool == "gptq" else ["--embed-bits", str(bits),
                                              "--embed-group-size", str(group_size)])
             shutil.rmtree(out, ignore_errors=True)
-            subprocess.run([sys.executable, "-c", _RUN_WITH_MLXSPEC_BLAS, f"mlx_lm.quant.{tool}",
+            child = (_DENSE_QUANTIZED_LINEAR if tool == "awq" else "") + _RUN_WITH_MLXSPEC_BLAS
+            subprocess.run([sys.executable, "-c", child, f"mlx_lm.quant.{tool}",
                             "--model", str(source), "--mlx-path", str(out), "--bits", str(bits),
                             "--group-size", str(group_size), *extra], check=True)
             if not (out / "config.json").exists():

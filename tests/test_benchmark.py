@@ -31,3 +31,37 @@ def test_measured_bandwidths_are_plausible():
     copy, read = benchmark.memory_bandwidth(megabytes=32, repeats=2), benchmark.read_bandwidth(
         megabytes=32, repeats=2)
     assert 0.05 < copy < 2000 and 0.05 < read < 2000  # GB/s: any machine, loaded or not
+
+
+def test_anchor_runs_dense_quantized_linear_is_quantized_matmul(tmp_path):
+    """bench/quantized.py runs mlx_lm.quant.awq with nn.QuantizedLinear computed densely (its CPU
+    quantized_matmul has no BLAS); the patched layer must give the layer's own outputs."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "quantized.py"
+    spec = importlib.util.spec_from_file_location("bench_quantized", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    check = (
+        "import numpy as np\n"
+        "assert nn.QuantizedLinear.__call__.__name__ == '_dense_call'\n"
+        "mx.random.seed(0)\n"
+        "for bias in (False, True):\n"
+        "    layer = nn.QuantizedLinear(128, 48, bias=bias, group_size=32, bits=4)\n"
+        "    if bias:\n"
+        "        layer.bias = mx.random.normal((48,))\n"
+        "    x = mx.random.normal((3, 5, 128))\n"
+        "    y = layer(x)\n"
+        "    want = mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, True, 32, 4)\n"
+        "    want = want + layer.bias if bias else want\n"
+        "    assert y.shape == (3, 5, 48)\n"
+        "    np.testing.assert_allclose(np.array(y), np.array(want), rtol=1e-4, atol=1e-4)\n"
+        "print('same')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", bench._DENSE_QUANTIZED_LINEAR + check],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "same"
