@@ -33,7 +33,7 @@ def test_measured_bandwidths_are_plausible():
     assert 0.05 < copy < 2000 and 0.05 < read < 2000  # GB/s: any machine, loaded or not
 
 
-def test_anchor_runs_dense_quantized_linear_is_quantized_matmul(tmp_path):
+def test_anchor_runs_dense_quantized_linear_is_quantized_matmul():
     """bench/quantized.py runs mlx_lm.quant.awq with nn.QuantizedLinear computed densely (its CPU
     quantized_matmul has no BLAS); the patched layer must give the layer's own outputs."""
     import importlib.util
