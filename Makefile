@@ -30,7 +30,7 @@ demo: install
 # The whole suite (CI runs this); the 25 slowest tests are listed at the end. Two workers, one
 # test file each at a time (module fixtures are built once), one BLAS thread each: much of the
 # suite is single-threaded Python, so two files at once take ~410 s where one at a time took ~600 s.
-PYTEST := OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
+PYTEST := OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 test: install-dev
 	$(PYTEST) -ra --durations=25
 

@@ -17,9 +17,10 @@ side with mlx-lm's own affine quantization at the same bits.
   copy + BLAS) and ``quantized`` (``mx.quantized_matmul``), with resident weight bytes.
 - exactness cost (``--exactness-cost``): KL of RTN with scales exact in float16/bfloat16 (the
   default MLX affine output) against float32 scales, at 4 and 8 bits.
-- mlx-lm anchors (``--mlx-lm-anchors gptq,awq [--anchor-cases 4g64,4g32,8g64]
+- mlx-lm anchors (``--mlx-lm-anchors gptq,awq[,dwq] [--anchor-cases 4g64,4g32,8g64]
   [--anchor-rows rows.jsonl] [--anchor-calibration 32x256] [--anchor-reuse]``): mlx-lm's own
-  ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` against mlxspec's ``quantize_to_dir`` (rtn, gptq,
+  ``mlx_lm.quant.gptq``/``mlx_lm.quant.awq`` (and DWQ's training loop, offline:
+  ``bench/dwq_local.py``) against mlxspec's ``quantize_to_dir`` (rtn, gptq,
   awq, awq+gptq) at equal storage, on the same source and calibration text, all loaded back from
   disk and evaluated the same way (in float32 on their dequantized weights); each row is
   appended to the JSONL as it finishes and a rerun skips the rows already there (mlx_lm.awq takes
@@ -245,7 +246,9 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
     cached = CachedLogits(reference)
     eval_windows = builtin_windows(tokenizer, windows=windows)
     jobs = [(bits, gs, m) for bits, gs in cases for m in methods]
-    jobs += [(bits, gs, f"mlx_lm.{t}") for bits, gs in cases for t in tools]
+    # mlx-lm's DWQ trains only layers under 8 bits (its student is round-to-nearest otherwise)
+    jobs += [(bits, gs, f"mlx_lm.{t}") for bits, gs in cases for t in tools
+             if not (t == "dwq" and bits >= 8)]
     done = {}  # rows already in rows_file: a rerun resumes
     if rows_file and Path(rows_file).exists():
         for line in Path(rows_file).read_text().splitlines():
@@ -266,9 +269,11 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                                              "--embed-group-size", str(group_size)])
             shutil.rmtree(out, ignore_errors=True)
             child = (_DENSE_QUANTIZED_LINEAR if tool == "awq" else "") + _RUN_WITH_MLXSPEC_BLAS
-            subprocess.run([sys.executable, "-c", child, f"mlx_lm.quant.{tool}",
-                            "--model", str(source), "--mlx-path", str(out), "--bits", str(bits),
-                            "--group-size", str(group_size), *extra], check=True)
+            run = (["-c", child, f"mlx_lm.quant.{tool}"] if tool != "dwq"  # offline: see there
+                   else [str(Path(__file__).with_name("dwq_local.py"))])
+            subprocess.run([sys.executable, *run, "--model", str(source), "--mlx-path", str(out),
+                            "--bits", str(bits), "--group-size", str(group_size),
+                            *(extra if tool != "dwq" else [])], check=True)
             if not (out / "config.json").exists():
                 raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
         elif not reused:
@@ -280,7 +285,11 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
         seconds = None if reused else round(time.perf_counter() - start, 1)
         record = json.loads((out / "config.json").read_text()).get("quantization", {})
         used = None  # the calibration amount: RTN has none
-        if method.startswith("mlx_lm."):
+        if method == "mlx_lm.dwq":  # what bench/dwq_local.py trained on
+            r = json.loads((out / "dwq_local.json").read_text())
+            used = (f"{r['windows'] - r['valid_samples']} x {r['max_seq_length']}-token windows,"
+                    f" {r['epochs']} epochs: {r['steps']} steps at lr {r['learning_rate']:g}")
+        elif method.startswith("mlx_lm."):
             used = "every 512-token window"  # their defaults: all samples, sequence length 512
         elif "calibration_windows" in record:
             used = f"{record['calibration_windows']} x {record['calibration_window_tokens']}"
@@ -427,8 +436,9 @@ def main() -> None:
     parser.add_argument("--exactness-cost", action="store_true",
                         help="KL cost of scales exact in float16/bfloat16 (RTN, 4 and 8 bits)")
     parser.add_argument("--mlx-lm-anchors", default="",
-                        help="comma-separated mlx-lm learned quantizers to run too: gptq,awq "
-                             "(slow: mlx_lm.awq took 47 min on SmolLM2 here)")
+                        help="comma-separated mlx-lm learned quantizers to run too: gptq,awq,"
+                             "dwq (slow: mlx_lm.awq took 47 min on SmolLM2 here; dwq runs "
+                             "bench/dwq_local.py, ~40 min a 4-bit SmolLM2 case)")
     parser.add_argument("--anchor-dir", default="bench-anchors",
                         help="where the anchors' models (mlx-lm's and mlxspec's) are written")
     parser.add_argument("--anchor-cases", default="4g64,4g32,8g64",

@@ -1,128 +1,35 @@
-"""The default output of quantization on the real models: MLX's affine layout, exact in the
-model's dtype, so plain mlx-lm runs the very weights mlxspec computes with.
-
-One calibrated quantization per model (session fixtures): SmolLM2-135M with GPTQ in float16 and
-Gemma-3-270M with AWQ in bfloat16 (both sources are float32 after GGUF conversion). Each is saved
-once and checked against mlx-lm's own loader, dequantizer and generator.
-
-mlx-lm on this CPU runs ``mx.quantized_matmul``, which accumulates half-precision products in half
-precision; mlxspec's default CPU path multiplies an exact float32 copy (the correctly rounded
-result). The greedy comparison therefore runs mlxspec with ``MLXSPEC_ZP_CPU=quantized`` -- the
-same kernel on the same tensors -- where any difference in the weights or the layer's dtypes shows
-up as different tokens.
+"""SmolLM2-135M quantized with GPTQ in float16 (4 bits, g64): MLX's affine layout, exact in
+float16, which plain mlx-lm loads, dequantizes bit for bit and generates from as mlxspec does
+(the checks: ``quant_storage_checks.py``).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import mlx.core as mx
-import mlx_lm
-import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
-from mlxspec.load import load, read_config
-from mlxspec.quant import layers, zp_format
-from mlxspec.quant.calibrate import calibration_windows
-from mlxspec.quant.quantize import quantize_model
-from mlxspec.quant.storage import mlx_lm_loadable, save_quantized
-
-PROMPT = "Paris is"  # short: mlx-lm's CPU quantized matmul redoes the mat-vec per row
+from quant_storage_checks import (
+    check_calibrated_beats_round_to_nearest,
+    check_mlx_lm_dequantizes_every_weight_to_s_times_q_minus_z,
+    check_mlx_lm_generate_gives_mlxspec_greedy_tokens,
+    quantize_and_save,
+)
 
 
-def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
-    """Quantize ``source`` (4 bits, g64) in ``dtype``; save it; return the in-memory layers'
-    ``s * (q - z)`` per path (float64 numpy) and the record."""
-    model, tokenizer = load(str(source))
-    calibration, _ = calibration_windows(tokenizer, windows=4, window_tokens=64)
-    # grid=1: min-max rounding after the calibrated step (the clip search only costs time here)
-    _, record = quantize_model(model, bits=4, group_size=64, method=method, dtype=dtype, grid=1,
-                               calibration_tokens=calibration, group_fallback=True)
-    reference = {}
-    for path, layer in layers.zero_point_modules(model).items():
-        q = zp_format.unpack(np.array(layer.weight), layer.bits, layer.in_features).astype(np.int64)
-        z = zp_format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
-        s = np.array(layer.scales.astype(mx.float32), np.float64)
-        g = layer.group_size
-        reference[path] = np.repeat(s, g, 1) * (q - np.repeat(z.astype(np.int64), g, 1))
-    save_quantized(model, out, config=read_config(source), quantization=record,
-                   source_dir=source)
-    return {"dir": out, "dtype": getattr(mx, dtype), "reference": reference, "source": source,
-            "dtype_name": dtype}
-
-
-@pytest.fixture(scope="session")
-def smollm2_gptq(smollm2_dir, tmp_path_factory):
-    return quantize_and_save(smollm2_dir, tmp_path_factory.mktemp("q") / "smollm2-gptq",
-                             "gptq", "float16")
-
-
-@pytest.fixture(scope="session")
-def gemma3_awq(gemma3_gguf, tmp_path_factory):
-    from mlxspec.load import resolve_model_path
-
-    return quantize_and_save(resolve_model_path(str(gemma3_gguf)),
-                             tmp_path_factory.mktemp("q") / "gemma3-awq", "awq", "bfloat16")
-
-
-@pytest.fixture(params=["smollm2_gptq", "gemma3_awq"])
-def saved(request):
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture
-def float_model(saved, request):
-    """The float32 source model of ``saved`` (the session's shared copy)."""
-    return request.getfixturevalue("smollm2" if "smollm2" in saved["dir"].name else "gemma3")
+@pytest.fixture(scope="module")
+def saved(smollm2_dir, tmp_path_factory):
+    return quantize_and_save(smollm2_dir, tmp_path_factory.mktemp("q") / "smollm2-gptq", "gptq",
+                             "float16")
 
 
 @pytest.mark.slow
 def test_mlx_lm_dequantizes_every_weight_to_s_times_q_minus_z_bit_for_bit(saved):
-    model, _ = mlx_lm.load(str(saved["dir"]))
-    affine = {p: m for p, m in model.named_modules() if hasattr(m, "biases")}
-    assert set(affine) == set(saved["reference"])
-    for path, m in affine.items():
-        assert m.scales.dtype == m.biases.dtype == saved["dtype"], path
-        got = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-        want = mx.array(saved["reference"][path].astype(np.float32)).astype(saved["dtype"])
-        assert mx.array_equal(got, want).item(), path
-    config = json.loads((saved["dir"] / "config.json").read_text())
-    assert mlx_lm_loadable(config)[0] and config["quantization"]["format"] == "mlx"
-    # Every stored float (norms, scales, biases) is in the chosen dtype: mlx-lm's bits per weight.
-    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {saved["dtype"], mx.uint32}
+    check_mlx_lm_dequantizes_every_weight_to_s_times_q_minus_z(saved)
 
 
 @pytest.mark.slow
 def test_mlx_lm_generate_gives_mlxspec_greedy_tokens_in_the_chosen_dtype(saved, monkeypatch):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlxspec.generate import generate
-
-    tokens = 2  # the prefill's token and one decode step: MLX's CPU fp16 quantized head is slow
-    model, tokenizer = mlx_lm.load(str(saved["dir"]))
-    cache = make_prompt_cache(model)
-    theirs = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=tokens, prompt_cache=cache)
-    assert cache[0].keys.dtype == saved["dtype"]  # activations and KV cache stay half precision
-    monkeypatch.setenv(layers.CPU_PATH_ENV, "quantized")
-    ours_model, ours_tokenizer = load(str(saved["dir"]))
-    assert layers.zero_point_modules(ours_model)  # mlxspec runs its own layers on the weights
-    ours = generate(ours_model, ours_tokenizer, PROMPT, max_tokens=tokens)
-    assert ours == theirs and len(theirs) > 0
+    check_mlx_lm_generate_gives_mlxspec_greedy_tokens(saved, monkeypatch)
 
 
 @pytest.mark.slow
-def test_calibrated_quantization_beats_round_to_nearest(saved, float_model):
-    # Same bits, group size, dtype and layout (so the same bits per weight); held-out text.
-    from mlxspec.evaluation import builtin_windows, compare
-
-    reference, tokenizer = float_model
-    windows = builtin_windows(tokenizer, windows=1, window_tokens=160)
-    calibrated, _ = load(str(saved["dir"]))
-    rtn_model, _ = load(str(saved["source"]))
-    quantize_model(rtn_model, bits=4, group_size=64, method="rtn", dtype=saved["dtype_name"],
-                   group_fallback=True)
-    ours, rtn = compare(calibrated, reference, windows), compare(rtn_model, reference, windows)
-    assert ours["kl_mean"] < 0.9 * rtn["kl_mean"], (ours, rtn)
-    assert ours["top1_agreement"] >= rtn["top1_agreement"] - 3  # 159 tokens: 1 token = 0.6
+def test_calibrated_quantization_beats_round_to_nearest(saved, smollm2):
+    check_calibrated_beats_round_to_nearest(saved, smollm2)

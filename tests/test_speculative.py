@@ -6,8 +6,8 @@ target's logits (sampling), mlx-lm's ``RotatingKVCache`` fed one token at a time
 cache), and hand-made distributions (the rejection-sampling step).
 
 Chi-square tests use fixed seeds and reject at p < 1e-4 (``ALPHA``); each also checks its power
-against a wrong distribution. The real-model tests (SmolLM2-135M, Gemma-3-270M) keep prompts few and
-generations short enough for a few minutes on 2 CPU cores.
+against a wrong distribution. The tests on the real models are in ``test_speculative_smollm2.py``
+and ``test_speculative_gemma3.py`` (files of their own, so the two test workers share them).
 """
 
 from __future__ import annotations
@@ -15,14 +15,20 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from chi_square import chi_square_pvalue
 from llama_toys import tiny_llama
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
+from speculative_helpers import (
+    GREEDY,
+    acceptance_against_theory,
+    drafter_for,
+    first_layers,
+    plain_tokens,
+    spec_tokens,
+)
 
 from mlxspec.cache import make_cache
 from mlxspec.errors import TokenizerMismatchError
@@ -33,8 +39,6 @@ from mlxspec.speculative import (
     PromptLookupDrafter,
     SpecStats,
     check_same_tokenizer,
-    first_layers_copy,
-    make_drafter,
     quantized_copy,
     speculative_generate_step,
     verify_greedy,
@@ -42,36 +46,6 @@ from mlxspec.speculative import (
 )
 
 ALPHA = 1e-4
-GREEDY = SamplingParams()
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def first_layers(model: nn.Module, n: int) -> nn.Module:
-    """A deliberately bad draft: the target's first ``n`` layers (shared weights)."""
-    return first_layers_copy(model, n)
-
-
-def drafter_for(model: nn.Module, draft: nn.Module, max_kv_size: int | None = None):
-    width = model(mx.array([[0]])).shape[-1]
-    return DraftModelDrafter(draft, vocab_size=width, real_vocab=width, max_kv_size=max_kv_size)
-
-
-def plain_tokens(model, prompt, max_tokens, cache=None, processors=None, sampling=GREEDY):
-    cache = cache if cache is not None else make_prompt_cache(model)
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache,
-                          sampler=sampling.sampler(), logits_processors=processors)
-    return [t for t, _ in steps]
-
-
-def spec_tokens(model, drafter, prompt, max_tokens, k="auto", cache=None, processors=None,
-                sampling=GREEDY, stats=None):
-    cache = cache if cache is not None else make_prompt_cache(model)
-    steps = speculative_generate_step(
-        mx.array(prompt), model, drafter, sampling=sampling, max_tokens=max_tokens,
-        prompt_cache=cache, logits_processors=processors, num_draft_tokens=k, stats=stats)
-    return [t for t, _, _ in steps]
 
 
 # -- the verification step on hand-made distributions -----------------------------------------
@@ -255,58 +229,6 @@ def test_a_cache_that_cannot_roll_back_falls_back_to_plain_decoding(tiny_target)
 # -- sampling end to end (the joint distribution: tests/test_speculative_sampling.py) -----------
 
 
-def record_proposals(drafter) -> list[tuple[int, list[int], np.ndarray | None]]:
-    """Make ``drafter`` record (context length, proposed tokens, their q) of every proposal."""
-    proposals, propose = [], drafter.propose
-
-    def recording(k, sampling, logits_processor=None, keys=None):
-        proposal = propose(k, sampling, logits_processor, keys)
-        q = None if proposal.probs is None else np.array(proposal.probs, np.float64)
-        proposals.append((len(drafter.context), proposal.tokens, q))
-        return proposal
-
-    drafter.propose = recording
-    return proposals
-
-
-def teacher_forced_probs(model, ids: list[int], temp: float = 1.0) -> np.ndarray:
-    """(len(ids), vocab) float64 next-token distributions at temperature ``temp``."""
-    logits = np.array(model(mx.array([ids]))[0], np.float64) / temp
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0,
-                              teacher_forced_draft=True):
-    """Generate with k = 1 and compare each trial with the two models' distributions there.
-
-    p is the target's, teacher-forced in float64; q is the draft's, teacher-forced too or (when
-    the draft is slow to run over many tokens) the q the drafter reported with its proposal.
-    Returns (observed acceptances, sum of beta = sum_x min(p, q), sum of beta (1 - beta), sum of
-    sum_x p q, trials) over all verified drafts.
-    """
-    observed = expected = variance = naive = trials = 0.0
-    for prompt in prompts:
-        drafter = drafter_for(model, draft_model)
-        proposals = record_proposals(drafter)
-        out = spec_tokens(model, drafter, prompt, max_tokens, 1,
-                          sampling=SamplingParams(temp=temp))
-        ids = prompt + out
-        p = teacher_forced_probs(model, ids, temp)
-        if teacher_forced_draft:
-            q = teacher_forced_probs(draft_model, ids, temp)
-        for start, tokens, reported in proposals:  # k = 1: each proposal is one trial
-            if not tokens or start >= len(ids):
-                continue
-            q_row = q[start - 1] if teacher_forced_draft else reported[0]
-            beta = np.minimum(p[start - 1], q_row).sum()  # p's row predicting `start`
-            expected, variance = expected + beta, variance + beta * (1 - beta)
-            naive += (p[start - 1] * q_row).sum()
-            observed += ids[start] == tokens[0]  # a rejected draft is never the residual
-            trials += 1
-    return observed, expected, variance, naive, trials
-
-
 def test_acceptance_of_a_4bit_copy_is_sum_of_min_p_q_on_a_tiny_model():
     """Each verified draft is kept with probability sum_x min(p(x), q(x)) (rejection sampling),
     not the sum_x p(x) q(x) of comparing two independent samples: within 5% over ~1250 trials
@@ -430,204 +352,3 @@ def test_draft_ids_beyond_the_real_vocabulary_are_never_proposed(tiny_target):
     assert proposal.probs.shape == (8, 64)
     assert float(proposal.probs[:, 40:].sum()) == 0.0 and max(proposal.tokens) < 40
     assert spec_tokens(model, drafter, PROMPT, 30, 3) == plain_tokens(model, PROMPT, 30)
-
-
-# -- the real models ------------------------------------------------------------------------------
-
-SMOL_TOKENS = 64  # tokens per real-model generation: enough for acceptances and rollbacks
-
-PROMPTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a refrigerator works, step by step.",
-    "List ten uses for a paperclip and say why each works.",
-]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2):
-    """SmolLM2 with its drafts: a 4-bit copy and a bad draft (its first 4 of 30 layers)."""
-    model, tokenizer = smollm2
-    return model, tokenizer, rounded_4bit_copy(model), first_layers(model, 4)
-
-
-def rounded_4bit_copy(model: nn.Module) -> nn.Module:
-    """``quantized_copy(model)`` with its weights stored dequantized: the same 4-bit affine values
-    (mlx-lm's round-to-nearest, group 64) in float32, because MLX's CPU quantized matmul is far
-    slower than BLAS. The distributions are the 4-bit model's up to summation order."""
-    copy = first_layers_copy(model)
-    for _, module in copy.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % 64 == 0:
-            w, scales, biases = mx.quantize(module.weight, group_size=64, bits=4)
-            module.weight = mx.dequantize(w, scales, biases, group_size=64, bits=4)
-    mx.eval(copy.parameters())
-    return copy
-
-
-@pytest.fixture(scope="module")
-def smol_plain(smol):
-    """Plain greedy decoding of two prompts (the reference), SMOL_TOKENS tokens."""
-    model, tokenizer, _, _ = smol
-    return {text: plain_tokens(model, chat_ids(tokenizer, text), SMOL_TOKENS) for text in PROMPTS[:2]}
-
-
-@pytest.mark.slow
-def test_greedy_speculative_equals_plain_greedy_with_a_4bit_draft(smol, smol_plain):
-    model, tokenizer, q4, _ = smol
-    stats = SpecStats()
-    drafter = make_drafter(tokenizer, model, draft_model=q4, draft_tokenizer=tokenizer)
-    got = spec_tokens(model, drafter, chat_ids(tokenizer, PROMPTS[0]), SMOL_TOKENS, 2, stats=stats)
-    assert got == smol_plain[PROMPTS[0]]
-    assert stats.accepted_lengths[-1] > 0 and len(stats.accepted_lengths) == 3  # all kept
-    assert stats.accepted_lengths[0] > 0  # and all rejected
-
-
-@pytest.mark.slow
-def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_plain):
-    model, tokenizer, _, _ = smol
-    drafter, stats = PromptLookupDrafter(), SpecStats()
-    for text in PROMPTS[:2]:  # one drafter for both: it re-indexes when the context changes
-        got = spec_tokens(model, drafter, chat_ids(tokenizer, text), SMOL_TOKENS, 4, stats=stats)
-        assert got == smol_plain[text], text
-    assert stats.drafted > stats.accepted > 0  # acceptances and rollbacks
-
-
-@pytest.mark.slow
-def test_greedy_speculative_equals_plain_greedy_with_a_bad_draft(smol, smol_plain):
-    model, tokenizer, _, bad = smol
-    stats = SpecStats()
-    got = spec_tokens(model, drafter_for(model, bad), chat_ids(tokenizer, PROMPTS[1]), SMOL_TOKENS, 2,
-                      stats=stats)
-    assert got == smol_plain[PROMPTS[1]]
-    assert stats.drafted > stats.accepted  # rejections were rolled back
-
-
-@pytest.mark.slow
-def test_greedy_with_a_small_rotating_cache_equals_plain_past_the_window(smol):
-    """max_kv_size = 40 < prompt + generation: the sliding cache rolls back and stays exact."""
-    model, tokenizer, _, _ = smol
-    prompt = chat_ids(tokenizer, PROMPTS[2])
-    expected = plain_tokens(model, prompt, 64, cache=make_cache(model, 40))
-    assert expected != plain_tokens(model, prompt, 64)  # the window changes the output
-    cache, stats = make_cache(model, 40), SpecStats()
-    got = spec_tokens(model, PromptLookupDrafter(), prompt, 64, 4, cache=cache, stats=stats)
-    assert got == expected
-    assert stats.drafted > stats.accepted > 0
-    assert cache[0].offset == len(prompt) + 64 - 1 and type(cache[0]) is RotatingKVCache
-
-
-@pytest.mark.slow
-def test_a_model_drafting_for_itself_at_temperature_1_is_accepted(smol):
-    model, tokenizer, _, _ = smol
-    stats = SpecStats()
-    mx.random.seed(0)
-    spec_tokens(model, drafter_for(model, model), chat_ids(tokenizer, PROMPTS[0]), 40, 4,
-                sampling=SamplingParams(temp=1.0), stats=stats)
-    assert stats.drafted >= 28 and stats.acceptance_rate >= 0.99
-
-
-@pytest.mark.slow
-def test_verify_accepts_a_4bit_draft_within_5_percent_of_sum_min_p_q(smol):
-    """The verifier on the two real models' distributions (SmolLM2 and its 4-bit copy, temperature
-    1, teacher-forced along the target's own greedy answer): 200 drafts sampled from q at each of
-    ~100 positions. Acceptance is within 5% of sum_x min(p, q) (4 standard deviations are ~1%
-    here) and far from mlx-lm's sum_x p q. The end-to-end test below checks the same in
-    generation, with fewer trials."""
-    model, tokenizer, q4, _ = smol
-    prompt = chat_ids(tokenizer, PROMPTS[1])
-    ids = prompt + plain_tokens(model, prompt, 100)
-    positions = slice(len(prompt) - 1, len(ids) - 1)  # the rows predicting the answer's tokens
-    p_all = mx.softmax(model(mx.array([ids]))[0, positions].astype(mx.float32), axis=-1)
-    q_all = mx.softmax(q4(mx.array([ids]))[0, positions].astype(mx.float32), axis=-1)
-    draws = 200
-    mx.random.seed(0)
-    observed = 0
-    for p, q in zip(p_all, q_all, strict=True):
-        drafts = mx.random.categorical(mx.log(q), num_samples=draws)[:, None]  # (draws, 1)
-        p_rows = mx.broadcast_to(p, (draws, 2, p.shape[-1]))  # k = 1: the draft row and the bonus
-        accepted, _ = verify_sampling(p_rows, mx.broadcast_to(q, (draws, 1, q.shape[-1])), drafts)
-        observed += int(accepted.sum())
-    p64, q64 = np.array(p_all, np.float64), np.array(q_all, np.float64)
-    beta = np.minimum(p64, q64).sum(axis=-1)
-    expected = draws * beta.sum()
-    sigma = np.sqrt(draws * (beta * (1 - beta)).sum())
-    assert abs(observed - expected) <= 4 * sigma, (observed, expected, sigma)
-    assert abs(observed - expected) <= 0.05 * expected
-    assert draws * (p64 * q64).sum() < 0.8 * expected  # what comparing two samples would accept
-
-
-@pytest.mark.slow
-def test_acceptance_with_a_4bit_draft_is_sum_of_min_p_q(smol):
-    """SmolLM2 and its 4-bit copy at temperature 1: the observed acceptances match the sum over
-    the verified drafts of sum_x min(p, q) within 4 standard deviations (~65 trials, so about 30%;
-    the tiny-model test above checks 5% with more trials), far above sum_x p q (about 0.4x)."""
-    model, tokenizer, q4, _ = smol
-    mx.random.seed(0)
-    observed, expected, variance, naive, trials = acceptance_against_theory(
-        model, q4, [chat_ids(tokenizer, PROMPTS[0])], 110, teacher_forced_draft=False)
-    assert trials >= 45
-    assert abs(observed - expected) <= 4 * np.sqrt(variance), (observed, expected, trials)
-    assert naive < 0.6 * expected and observed > naive + 4 * np.sqrt(variance)
-
-
-@pytest.mark.slow
-def test_chat_with_a_draft_keeps_both_caches_and_matches_plain_chat(smol):
-    from mlxspec.chat import ChatSession
-
-    model, tokenizer, _, bad = smol
-    turns = ["Name a planet.", "Why is it called that?"]
-    plain = ChatSession(model, tokenizer, max_tokens=16)
-    expected = [plain.reply(turn) for turn in turns]
-    for options in [dict(draft_model=bad, draft_tokenizer=tokenizer, num_draft_tokens=2),
-                    dict(prompt_lookup=True, num_draft_tokens=3)]:
-        session = ChatSession(model, tokenizer, max_tokens=16, **options)
-        assert [session.reply(turn) for turn in turns] == expected
-        assert session.last.spec_stats.drafted > 0
-        if options.get("draft_model") is not None:  # the draft cache holds the conversation
-            held = session.draft.context[: session.draft.cached]
-            assert held == session.cached_tokens[: len(held)] and len(held) > 30
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3):
-    return gemma3
-
-
-@pytest.mark.slow
-def test_gemma3_greedy_speculative_equals_plain_past_its_sliding_window(gemma):
-    """Gemma-3's sliding-window layers (512 tokens) roll back exactly after the window wraps."""
-    model, tokenizer = gemma
-    steps, prompt = [], []
-    while len(prompt) < 470:  # the 64 generated tokens cross the 512-token window
-        steps.append(f"Step {len(steps)}: add {len(steps)} to the total and write it down.")
-        prompt = tokenizer.encode(" ".join(steps))
-    assert len(prompt) < 500
-    expected = plain_tokens(model, prompt, 64)
-    stats = SpecStats()  # prompt lookup: the prompt repeats itself, so drafts are often kept
-    assert spec_tokens(model, PromptLookupDrafter(), prompt, 64, 4, stats=stats) == expected
-    assert 0 < stats.accepted < stats.drafted  # acceptances and rollbacks past the window
-
-
-@pytest.mark.slow
-def test_a_draft_with_another_tokenizer_is_refused(gemma, smollm2):
-    model, tokenizer = gemma
-    draft, draft_tokenizer = smollm2
-    with pytest.raises(TokenizerMismatchError, match="token id 0"):
-        make_drafter(tokenizer, model, draft_model=draft, draft_tokenizer=draft_tokenizer)
-
-
-@pytest.mark.slow
-def test_cli_refuses_a_draft_with_another_tokenizer_in_one_line(gemma3_gguf, smollm2_dir):
-    from click.testing import CliRunner
-
-    from mlxspec.cli.main import cli
-
-    result = CliRunner().invoke(cli, ["generate", "-m", str(gemma3_gguf), "--draft-model",
-                                      str(smollm2_dir), "-p", "Hello", "--max-tokens", "2"])
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "tokenizer" in lines[0], lines
