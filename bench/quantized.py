@@ -276,12 +276,13 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                             *(extra if tool != "dwq" else [])], check=True)
             if not (out / "config.json").exists():
                 raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
-        elif not reused:
+        elif not reused:  # "awq+gptq+distill": awq+gptq, then DWQ's amount of distillation
             windows, tokens = calibration or (None, None)
-            quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=method,
+            base, distilled = method.removesuffix("+distill"), method.endswith("+distill")
+            quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=base,
                             dtype="float32", group_fallback=True, force=True, evaluate=False,
                             progress=False, calibration_windows=windows,
-                            calibration_tokens=tokens)
+                            calibration_tokens=tokens, distill_epochs=8 if distilled else 0)
         seconds = None if reused else round(time.perf_counter() - start, 1)
         record = json.loads((out / "config.json").read_text()).get("quantization", {})
         used = None  # the calibration amount: RTN has none
@@ -293,6 +294,11 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             used = "every 512-token window"  # their defaults: all samples, sequence length 512
         elif "calibration_windows" in record:
             used = f"{record['calibration_windows']} x {record['calibration_window_tokens']}"
+            if "distillation" in record:  # as the mlx_lm.dwq row says it
+                d = record["distillation"]
+                used += (f"; distilled on {d['windows']} x {d['window_tokens']}-token windows,"
+                         f" {d['epochs']} epochs: {d['steps']} steps at lr"
+                         f" {d['learning_rate']:g} (kept: {d['kept']})")
         model, _ = load(str(out))
         bits_per_weight = round(q.bits_per_weight(model), 3)
         result = compare(dequantize_model(model), cached, eval_windows)
@@ -444,7 +450,9 @@ def main() -> None:
     parser.add_argument("--anchor-cases", default="4g64,4g32,8g64",
                         help="bits and group sizes of the anchor comparison")
     parser.add_argument("--anchor-methods", default="rtn,gptq,awq,awq+gptq",
-                        help="mlxspec's methods in the anchor comparison")
+                        help="mlxspec's methods in the anchor comparison; a method ending in "
+                             "+distill is followed by 8 epochs of distilled scales (mlxspec "
+                             "quantize --distill-epochs 8)")
     parser.add_argument("--anchor-calibration", default=None,
                         help="WINDOWSxTOKENS: mlxspec's calibration amount in the anchor "
                              "comparison (default: mlxspec's default; a rows file holds one "

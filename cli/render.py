@@ -110,6 +110,13 @@ def quantize_step(step: str, report: QuantizeReport) -> str | None:
             + (f", {len(exceptions)} layers differ (see config.json)" if exceptions else "")
             + f": {q['bits_per_weight']:.3f} bits per weight"
         )
+        if "distillation" in q:
+            d = q["distillation"]
+            lines.append(
+                f"distilled scales ({d['epochs']} epochs, {d['steps']} steps, {d['seconds']:.0f} s):"
+                f" held-out KL {d['kl_before']:.4f} -> {d['kl_after']:.4f}"
+                + ("" if d["kept"] else ", worse: the quantizer's scales are kept")
+            )
         return "\n".join(lines)
     if step == "saved":
         return (f"wrote {report.out_dir} ({report.weight_bytes / 1e6:.1f} MB of weights, "

@@ -274,6 +274,11 @@ def _method(q: dict[str, Any]) -> str:
     unscaled = q.get("awq_unscaled_blocks")
     if isinstance(unscaled, list) and unscaled:
         method += f" (plain GPTQ where AWQ's scales could not be folded: {', '.join(unscaled)})"
+    distilled = q.get("distillation")
+    if isinstance(distilled, dict):
+        method += (f", then scales distilled from the source ({distilled.get('epochs')} epochs,"
+                   f" held-out KL {distilled.get('kl_before')} -> {distilled.get('kl_after')}"
+                   + ("" if distilled.get("kept") else "; not kept: it was worse") + ")")
     return method
 
 

@@ -205,6 +205,21 @@ def test_card_names_the_blocks_awq_gptq_left_unscaled(tmp_path):
             "model.layers.0, model.layers.1) |") in body
 
 
+def test_card_says_the_scales_were_distilled_and_whether_it_was_kept(tmp_path):
+    model = make_tiny_model(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    for kept, tail in ((True, ")"), (False, "; not kept: it was worse)")):
+        config["quantization"] = {"bits": 4, "group_size": 64, "format": "mlx", "method": "gptq",
+                                  "distillation": {"epochs": 8, "kl_before": 0.25,
+                                                   "kl_after": 0.2 if kept else 0.3,
+                                                   "kept": kept}}
+        (model / "config.json").write_text(json.dumps(config))
+        body = card.model_card(model, "me/tiny-q4").split("---\n", 2)[2]
+        after = 0.2 if kept else 0.3
+        assert (f"| method | gptq, then scales distilled from the source (8 epochs, held-out KL "
+                f"0.25 -> {after}{tail} |") in body
+
+
 def test_quantize_gate_refuses_a_failing_model_and_keeps_its_results(models, hub_env, tmp_path):
     out = tmp_path / "q4-fail"
     result = CliRunner().invoke(cli, [
