@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--valid-samples", type=int, default=4,
                         help="windows held out for mlx-lm's validation loss")
     parser.add_argument("--seed", type=int, default=123)
+    parser.add_argument("--target-dir", default=None,
+                        help="mlx-lm's stored targets: the teacher's top 1024 logits per "
+                             "position computed once into this directory (mlx_lm.dwq "
+                             "--target-dir); default: the full teacher logits at every step")
     args = parser.parse_args()
     if args.valid_samples < args.batch_size:  # mlx-lm's validation takes whole batches
         parser.error("--valid-samples must be at least --batch-size")
@@ -87,10 +91,22 @@ def main() -> None:
     print(f"DWQ: {len(windows)} windows of {args.max_seq_length} tokens, {args.epochs} epochs, "
           f"{steps} steps at learning rate {args.learning_rate:g}", flush=True)
 
+    target_fn = lambda batch, idx, split: teacher(batch)  # noqa: E731
+    if args.target_dir:  # as mlx_lm.dwq's main() does with --target-dir (reused if there)
+        from mlx_lm.quant.dwq import compute_dwq_targets
+
+        if not any(Path(args.target_dir).glob("train/*.safetensors")):
+            compute_dwq_targets(teacher, Path(args.target_dir), train, valid, args.batch_size,
+                                args.max_seq_length, args.seed)
+
+        def target_fn(batch, idx, split):
+            saved = mx.load(str(Path(args.target_dir) / split / f"{idx:010d}.safetensors"))
+            return saved["logits"], saved["indices"]
+
     student = copy.deepcopy(teacher)
     _, config = quantize_model(student, config, group_size=args.group_size, bits=args.bits)
     start = time.perf_counter()
-    dwq_quantize(student, lambda batch, idx, split: teacher(batch),
+    dwq_quantize(student, target_fn,
                  optimizers.Adam(learning_rate=args.learning_rate, bias_correction=True),
                  train, valid, batch_size=args.batch_size, max_seq_length=args.max_seq_length,
                  seed=args.seed, dtype=mx.float32)
@@ -102,7 +118,7 @@ def main() -> None:
 
 def write_record(args: argparse.Namespace, windows: int, steps: int, seconds: float) -> None:
     """``dwq_local.json`` in the output directory: the amount of training, for the table."""
-    record = {"text": args.text, "windows": windows, "valid_samples": args.valid_samples,
+    record = {"text": args.text, "targets": "top 1024" if args.target_dir else "full", "windows": windows, "valid_samples": args.valid_samples,
               "max_seq_length": args.max_seq_length, "epochs": args.epochs, "steps": steps,
               "learning_rate": args.learning_rate, "batch_size": args.batch_size,
               "train_seconds": round(seconds, 1)}

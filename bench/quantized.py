@@ -269,8 +269,11 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                                              "--embed-group-size", str(group_size)])
             shutil.rmtree(out, ignore_errors=True)
             child = (_DENSE_QUANTIZED_LINEAR if tool == "awq" else "") + _RUN_WITH_MLXSPEC_BLAS
-            run = (["-c", child, f"mlx_lm.quant.{tool}"] if tool != "dwq"  # offline: see there
-                   else [str(Path(__file__).with_name("dwq_local.py"))])
+            # DWQ offline (see there), on mlx-lm's stored top-1024 targets, as mlxspec distils
+            targets = Path(out_root) / f"{name}-dwq-targets"
+            run = (["-c", child, f"mlx_lm.quant.{tool}"] if tool != "dwq"
+                   else [str(Path(__file__).with_name("dwq_local.py")), "--target-dir",
+                         str(targets)])
             subprocess.run([sys.executable, *run, "--model", str(source), "--mlx-path", str(out),
                             "--bits", str(bits), "--group-size", str(group_size),
                             *(extra if tool != "dwq" else [])], check=True)
@@ -289,7 +292,8 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
         if method == "mlx_lm.dwq":  # what bench/dwq_local.py trained on
             r = json.loads((out / "dwq_local.json").read_text())
             used = (f"{r['windows'] - r['valid_samples']} x {r['max_seq_length']}-token windows,"
-                    f" {r['epochs']} epochs: {r['steps']} steps at lr {r['learning_rate']:g}")
+                    f" {r['epochs']} epochs: {r['steps']} steps at lr {r['learning_rate']:g}"
+                    f" ({r.get('targets', 'full')} logits)")
         elif method.startswith("mlx_lm."):
             used = "every 512-token window"  # their defaults: all samples, sequence length 512
         elif "calibration_windows" in record:
@@ -298,7 +302,8 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                 d = record["distillation"]
                 used += (f"; distilled on {d['windows']} x {d['window_tokens']}-token windows,"
                          f" {d['epochs']} epochs: {d['steps']} steps at lr"
-                         f" {d['learning_rate']:g} (kept: {d['kept']})")
+                         f" {d['learning_rate']:g} (top {d.get('top_k', 'all')} logits;"
+                         f" kept: {d['kept']})")
         model, _ = load(str(out))
         bits_per_weight = round(q.bits_per_weight(model), 3)
         result = compare(dequantize_model(model), cached, eval_windows)

@@ -86,6 +86,45 @@ def test_distilled_scales_lower_held_out_kl_and_move_only_the_scales(tiny, dtype
     assert moved == len(before) - 1
 
 
+def test_what_trains_computes_what_the_zero_point_model_computes(tiny):
+    """The training twins (act-order GPTQ: a permutation; the tied head: the embedding) give the
+    zero-point model's own logits, so the training optimizes the model that is stored (in
+    float32 activations: a float16 model is trained as its float32 twin)."""
+    source, _, _, train, held_out = tiny
+    model, _ = load(str(source))
+    quantize_model(model, bits=4, group_size=32, method="gptq", act_order=True, dtype="float32",
+                   calibration_tokens=train[:4])
+    ids = mx.array([held_out[0]])
+    want = model(ids)
+    zero_point = layers.zero_point_modules(model)
+    assert any("perm" in m for m in zero_point.values())
+    layers.replace_modules(model, {p: distill._ScaleTrainable(m, "float32")
+                                   for p, m in zero_point.items()})
+    np.testing.assert_allclose(np.array(model(ids)), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_targets_are_the_teachers_largest_logits_and_distilling_on_them_helps(
+        tiny, monkeypatch):
+    """With fewer kept logits than the vocabulary (as for any real model: 1024 of 49k-262k),
+    each position keeps exactly the teacher's k largest logits, and training on them still
+    lowers held-out KL (over the whole vocabulary)."""
+    source, teacher, _, train, held_out = tiny
+    targets = distill._teacher_targets(teacher, train[:2], 16, lambda: None)
+    for window in train[:2]:
+        inputs = np.array(window[:-1], np.int32)
+        logits, ids = targets[inputs.tobytes()]
+        full = np.array(teacher(mx.array(inputs)[None])[0], np.float64)
+        want = np.sort(full, axis=-1)[:, -16:]
+        np.testing.assert_allclose(np.sort(np.array(logits), axis=-1), want, rtol=1e-6)
+        np.testing.assert_array_equal(np.take_along_axis(full, np.array(ids), -1),
+                                      np.array(logits, np.float64))
+    monkeypatch.setattr(distill, "TOP_K", 16)
+    model = quantized(source, "float16")
+    kl_before = kl64(teacher, model, held_out)
+    record = distill.distill_scales(model, teacher, train, dtype="float16", learning_rate=1e-4)
+    assert record["kept"] and kl64(teacher, model, held_out) < 0.8 * kl_before, record
+
+
 def test_training_rounds_the_scales_as_they_are_stored():
     rng = np.random.default_rng(0)
     s = (rng.random(4000) * 0.1 + 1e-4).astype(np.float32)

@@ -2,7 +2,8 @@
 model's next-token distributions match the float model's on the calibration text.
 
 This is mlx-lm's DWQ (``mlx_lm.quant.dwq.dwq_quantize``: its loss -- KL at temperature 2 over
-the whole vocabulary --, Adam and training loop, reused as they are) with two differences that
+the teacher's 1024 most likely tokens at each position, computed once per window as mlx-lm's
+stored targets are --, Adam and training loop, reused as they are) with two differences that
 keep mlxspec's format:
 
 - only the scales ``s`` train. The integers ``q`` and the integer zero-points ``z`` stay as the
@@ -50,6 +51,10 @@ DEFAULT_EPOCHS = 8  # passes over the training windows
 # text gives ~50 steps in 8 epochs, so the rate is scaled to keep rate x steps.
 DEFAULT_LEARNING_RATE = 1e-5
 TEMPERATURE = 2.0  # mlx-lm's DWQ temperature
+# The teacher's logits kept per position, computed once per window (mlx-lm's DWQ targets, as
+# its --target-dir stores them): the loss is the KL over these, so a 262k-token vocabulary costs
+# a 1024-wide softmax, and the teacher runs once instead of once per epoch.
+TOP_K = 1024
 
 
 def _rounded(s: mx.array, bits: int, dtype: str) -> mx.array:
@@ -101,6 +106,26 @@ class _ScaleTrainable(nn.Module):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return x @ self.dense().T
+
+
+def _teacher_targets(teacher: nn.Module, windows: list[list[int]], top_k: int, advance
+                     ) -> dict[bytes, tuple[mx.array, mx.array | None]]:
+    """Per window, keyed by the bytes of its input tokens ``window[:-1]``: the teacher's
+    ``top_k`` largest logits ``(T - 1, k)`` float32 and their token ids (None: all of them)."""
+    targets = {}
+    for window in windows:
+        inputs = np.array(window[:-1], np.int32)
+        if inputs.tobytes() in targets:
+            continue
+        logits = teacher(mx.array(inputs)[None])[0].astype(mx.float32)
+        ids = None
+        if logits.shape[-1] > top_k:
+            ids = mx.argpartition(logits, kth=-top_k, axis=-1)[..., -top_k:]
+            logits = mx.take_along_axis(logits, ids, axis=-1)
+        mx.eval(logits, ids)
+        targets[inputs.tobytes()] = (logits, ids)
+        advance()
+    return targets
 
 
 def _kl(student: nn.Module, teacher: nn.Module, windows: list[list[int]]) -> float:
@@ -170,15 +195,19 @@ def distill_scales(
     twins = {p: _ScaleTrainable(m, dtype) for p, m in layers.items()}
     replace_modules(model, twins)
     steps = len(train) * epochs // batch_size
-    with progress_bar(f"distilling scales ({steps} steps)", steps, progress) as advance:
+    with progress_bar(f"distilling scales ({steps} steps)", len(windows) + steps,
+                      progress) as advance:
+        cached = _teacher_targets(teacher, windows, TOP_K, advance)
         started = []
 
-        def targets(batch: mx.array, _index: int, split: str) -> mx.array:
+        def targets(batch: mx.array, _index: int, split: str):
             if split == "train":
                 if started:
                     advance()  # the previous step has finished
                 started.append(True)
-            return mx.stop_gradient(teacher(batch))
+            rows = [cached[row.tobytes()] for row in np.array(batch, np.int32)]
+            logits = mx.stack([r[0] for r in rows])
+            return logits if rows[0][1] is None else (logits, mx.stack([r[1] for r in rows]))
 
         # mlx-lm's loop prints (trainable parameters, a tqdm bar, validation losses): mlxspec
         # shows its own bar and measures the result itself.
@@ -205,7 +234,7 @@ def distill_scales(
     return {
         "epochs": epochs, "steps": steps, "learning_rate": learning_rate,
         "batch_size": batch_size, "windows": len(train), "window_tokens": len(windows[0]),
-        "valid_windows": len(valid), "temperature": TEMPERATURE,
+        "valid_windows": len(valid), "temperature": TEMPERATURE, "top_k": TOP_K,
         "kl_before": round(before, 6), "kl_after": round(after, 6), "kept": kept,
         "seconds": round(time.perf_counter() - start, 1),
     }
