@@ -60,7 +60,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 @click.option("--distill-epochs", default=0, show_default=True, type=click.IntRange(min=0),
               help="Then tune the scales by distillation from the source on the calibration "
                    "text, this many passes (8 is a good choice; the most accurate result, "
-                   "~45 min for SmolLM2-135M on a 2-core CPU). Kept only if held-out KL drops.")
+                   "~30 min for SmolLM2-135M on a 2-core CPU). Kept only if held-out KL drops.")
 @click.option("--force", is_flag=True,
               help="Replace --out if it is a model directory mlxspec wrote (or empty).")
 @click.option("--no-eval", is_flag=True,

@@ -193,6 +193,8 @@ def distill_scales(
     start = time.perf_counter()
     before = _kl(model, teacher, valid)
     twins = {p: _ScaleTrainable(m, dtype) for p, m in layers.items()}
+    for layer in layers.values():
+        layer.drop_derived()  # its float32 copy on the CPU path, while the twin trains
     replace_modules(model, twins)
     steps = len(train) * epochs // batch_size
     with progress_bar(f"distilling scales ({steps} steps)", len(windows) + steps,

@@ -157,6 +157,10 @@ class _ZeroPoint(nn.Module):
             d.biases = zp_format.to_mlx_affine(*source, self.bits, self.group_size)[2]
         return d
 
+    def drop_derived(self) -> None:
+        """Free the derived arrays (the CPU path's float32 copy); rebuilt on the next call."""
+        self._cache = None
+
     def _matmul(self, x: mx.array) -> mx.array:
         """``x @ W.T``: x ``(..., in)`` float -> ``(..., out)`` of x's dtype."""
         d = self._derived()
