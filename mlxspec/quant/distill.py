@@ -120,7 +120,9 @@ def _teacher_targets(teacher: nn.Module, windows: list[list[int]], top_k: int, a
         logits = teacher(mx.array(inputs)[None])[0].astype(mx.float32)
         ids = None
         if logits.shape[-1] > top_k:
-            ids = mx.argpartition(logits, kth=-top_k, axis=-1)[..., -top_k:]
+            # A slice is a view of argpartition's whole (T - 1, vocab) result: copied out, or
+            # every stored window keeps it alive (Gemma-3: 537 MB a window, 29 windows -> OOM).
+            ids = mx.contiguous(mx.argpartition(logits, kth=-top_k, axis=-1)[..., -top_k:])
             logits = mx.take_along_axis(logits, ids, axis=-1)
         mx.eval(logits, ids)
         targets[inputs.tobytes()] = (logits, ids)
