@@ -51,6 +51,7 @@ SMOLLM2_135M = dict(
 COLUMNS = (
     ("reference", {"MLXSPEC_BLAS": "reference"}),
     ("openblas", {}),
+    ("openblas_sgemm_only", {"MLXSPEC_SKINNY": "0"}),  # without the shim's skinny products
     ("openblas_all_cores", {"OPENBLAS_NUM_THREADS": str(len(os.sched_getaffinity(0)))}),
 )
 

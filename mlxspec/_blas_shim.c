@@ -21,6 +21,9 @@
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdio.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef int blas_int;
 typedef int cblas_enum; /* CBLAS_ORDER / CBLAS_TRANSPOSE */
@@ -30,11 +33,6 @@ unsigned long long mlxspec_blas_calls = 0;
 
 /* X(name, parameter list, argument list) for every forwarded routine. */
 #define MLXSPEC_FORWARDED(X)                                                                      \
-  X(cblas_sgemm,                                                                                  \
-    (cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, blas_int n, blas_int k,         \
-     float alpha, const float *a, blas_int lda, const float *b, blas_int ldb, float beta,        \
-     float *c, blas_int ldc),                                                                    \
-    (order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))                                \
   X(cblas_dgemm,                                                                                  \
     (cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, blas_int n, blas_int k,         \
      double alpha, const double *a, blas_int lda, const double *b, blas_int ldb, double beta,    \
@@ -127,12 +125,157 @@ unsigned long long mlxspec_blas_calls = 0;
   }
 MLXSPEC_FORWARDED(DEFINE_FORWARDER)
 
+/*
+ * Skinny products: decoding multiplies a few rows of activations by each weight matrix,
+ * x (m, k) @ W.T with W (n, k) and m = 1 (one stream) to 8 (a batch, a speculative
+ * verification). OpenBLAS's sgemm packs the whole of W into its blocked layout before using it,
+ * even for one row: it reads and writes the weights twice to use them once. This kernel streams
+ * each row of W once and applies it to all m rows of x (held in cache), so a product over 8 rows
+ * costs little more than over one. Each output is the same sum in the same order whatever m is,
+ * so a row's result does not depend on what it is batched with. On 2 x86 cores, SmolLM2's 211
+ * float32 products per token (bench/blas.py): sgemm 65 ms at 1 row and 64-74 ms at 8, this kernel
+ * 22 ms and 42-46 ms. x86-64 with AVX2 and FMA only; elsewhere m = 1 goes to sgemv, which also
+ * streams W once, and larger m to sgemm.
+ */
+#define SKINNY_MAX_ROWS 8
+/* Products smaller than this (multiply-adds) run on one thread: waking another costs more. */
+#define SKINNY_PARALLEL_MIN (1 << 16)
+
+static int skinny_threads = 1;  /* mlxspec_blas_set_threads(): as many as OpenBLAS's */
+static int skinny_available = 0; /* the CPU has AVX2 and FMA (set at load) */
+
+static int skinny_routing = 1;   /* mlxspec_blas_set_routing(0): every product to sgemm */
+
+void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
+void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SKINNY_TARGET __attribute__((target("avx2,fma")))
+
+SKINNY_TARGET static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* c[i, j] = alpha * sum_p a[i, p] * b[j, p] (+ beta * c[i, j]) for i < ROWS, n0 <= j < n1.
+ * ROWS is a constant in each instance, so the accumulators stay in registers. */
+#define SKINNY_KERNEL(ROWS)                                                                     \
+  SKINNY_TARGET static void skinny_##ROWS(int n0, int n1, int k, float alpha, const float *a,  \
+                                          int lda, const float *b, int ldb, float beta,        \
+                                          float *c, int ldc) {                                 \
+    for (int j = n0; j < n1; ++j) {                                                             \
+      const float *bj = b + (size_t)j * ldb;                                                    \
+      __m256 acc[ROWS];                                                                         \
+      _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();      \
+      int p = 0;                                                                                \
+      for (; p + 8 <= k; p += 8) {                                                              \
+        __m256 w = _mm256_loadu_ps(bj + p);                                                     \
+        _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; ++i) acc[i] =                         \
+            _mm256_fmadd_ps(_mm256_loadu_ps(a + (size_t)i * lda + p), w, acc[i]);              \
+      }                                                                                         \
+      for (int i = 0; i < ROWS; ++i) {                                                          \
+        float sum = sum8(acc[i]);                                                               \
+        for (int q = p; q < k; ++q) sum += a[(size_t)i * lda + q] * bj[q];                      \
+        float *out = c + (size_t)i * ldc + j;                                                   \
+        *out = beta == 0.0f ? alpha * sum : alpha * sum + beta * *out; /* BLAS: beta 0 never reads c */ \
+      }                                                                                         \
+    }                                                                                           \
+  }
+SKINNY_KERNEL(1)
+SKINNY_KERNEL(2)
+SKINNY_KERNEL(3)
+SKINNY_KERNEL(4)
+SKINNY_KERNEL(5)
+SKINNY_KERNEL(6)
+SKINNY_KERNEL(7)
+SKINNY_KERNEL(8)
+typedef void (*skinny_kernel)(int, int, int, float, const float *, int, const float *, int, float,
+                              float *, int);
+static const skinny_kernel skinny_kernels[SKINNY_MAX_ROWS + 1] = {
+    NULL, skinny_1, skinny_2, skinny_3, skinny_4, skinny_5, skinny_6, skinny_7, skinny_8};
+
+static void skinny_detect(void) {
+  __builtin_cpu_init();
+  skinny_available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* The columns j of c are split evenly between the threads (in multiples of 8). */
+static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+  int threads = (size_t)m * n * k < SKINNY_PARALLEL_MIN ? 1 : skinny_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    int chunk = ((n + nt - 1) / nt + 7) & ~7;
+    int n0 = t * chunk, n1 = n0 + chunk < n ? n0 + chunk : n;
+    if (n0 < n1) skinny_kernels[m](n0, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+#else
+static void skinny_detect(void) {}
+static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+  (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta,
+      (void)c, (void)ldc;
+}
+#endif
+
+static void (*cblas_sgemm_target)(cblas_enum, cblas_enum, cblas_enum, blas_int, blas_int,
+                                  blas_int, float, const float *, blas_int, const float *,
+                                  blas_int, float, float *, blas_int);
+static void (*cblas_sgemv_target)(cblas_enum, cblas_enum, blas_int, blas_int, float,
+                                  const float *, blas_int, const float *, blas_int, float,
+                                  float *, blas_int);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* Products the shim computed itself or sent to sgemv (statistics for tests and reports). */
+unsigned long long mlxspec_blas_skinny_calls = 0;
+unsigned long long mlxspec_blas_gemv_calls = 0;
+
+/* cblas_sgemm, the call behind every float32 matmul: skinny products as above, the rest to sgemm. */
+void cblas_sgemm(cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, blas_int n,
+                 blas_int k, float alpha, const float *a, blas_int lda, const float *b,
+                 blas_int ldb, float beta, float *c, blas_int ldc) {
+  __atomic_add_fetch(&mlxspec_blas_calls, 1, __ATOMIC_RELAXED);
+  int valid = skinny_routing && order == ROW_MAJOR && m > 0 && n > 0 && k > 0;
+  if (valid && skinny_available && m <= SKINNY_MAX_ROWS && ta == NO_TRANS && tb == TRANS) {
+    __atomic_add_fetch(&mlxspec_blas_skinny_calls, 1, __ATOMIC_RELAXED);
+    skinny_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (valid && m == 1) {
+    /* c (1, n) = a (1, k) @ op(b): c.T = op(b).T @ a.T. b is (k, n) untransposed (sgemv of its
+     * transpose) or (n, k) transposed (plain sgemv); a's k values are a column (stride lda)
+     * when a is transposed. */
+    __atomic_add_fetch(&mlxspec_blas_gemv_calls, 1, __ATOMIC_RELAXED);
+    int b_plain = tb == NO_TRANS;
+    cblas_sgemv_target(ROW_MAJOR, b_plain ? TRANS : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
+                       alpha, b, ldb, a, ta == NO_TRANS ? 1 : lda, beta, c, 1);
+  } else if (valid && n == 1) {
+    /* c (m, 1) = op(a) (m, k) @ b (k, 1): the same with a as the matrix; c is a column. */
+    __atomic_add_fetch(&mlxspec_blas_gemv_calls, 1, __ATOMIC_RELAXED);
+    int a_plain = ta == NO_TRANS;
+    cblas_sgemv_target(ROW_MAJOR, a_plain ? NO_TRANS : TRANS, a_plain ? m : k, a_plain ? k : m,
+                       alpha, a, lda, b, tb == NO_TRANS ? ldb : 1, beta, c, ldc);
+  } else {
+    cblas_sgemm_target(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
 #define TABLE_ENTRY(name, params, args) {#name, (void **)&name##_target},
+/* Everything loaded from the library: the routines MLX imports, then the one helper the
+ * forwarders call that MLX does not import (sgemv). */
 static const struct {
   const char *name;
   void **target;
-} forwarded[] = {MLXSPEC_FORWARDED(TABLE_ENTRY)};
-#define N_FORWARDED (sizeof(forwarded) / sizeof(forwarded[0]))
+} loaded[] = {{"cblas_sgemm", (void **)&cblas_sgemm_target},
+              MLXSPEC_FORWARDED(TABLE_ENTRY){"cblas_sgemv", (void **)&cblas_sgemv_target}};
+#define N_LOADED (sizeof(loaded) / sizeof(loaded[0]))
+#define N_FORWARDED (N_LOADED - 1)
 
 static char error[512];
 
@@ -147,10 +290,10 @@ const char *mlxspec_blas_load(const char *library, const char *prefix) {
     snprintf(error, sizeof(error), "%s", dlerror());
     return error;
   }
-  void *found[N_FORWARDED];
-  for (size_t i = 0; i < N_FORWARDED; ++i) {
+  void *found[N_LOADED];
+  for (size_t i = 0; i < N_LOADED; ++i) {
     char symbol[128];
-    snprintf(symbol, sizeof(symbol), "%s%s", prefix, forwarded[i].name);
+    snprintf(symbol, sizeof(symbol), "%s%s", prefix, loaded[i].name);
     found[i] = dlsym(handle, symbol);
     if (!found[i]) {
       snprintf(error, sizeof(error), "%s does not define %s", library, symbol);
@@ -158,10 +301,11 @@ const char *mlxspec_blas_load(const char *library, const char *prefix) {
       return error;
     }
   }
-  for (size_t i = 0; i < N_FORWARDED; ++i) *forwarded[i].target = found[i];
+  for (size_t i = 0; i < N_LOADED; ++i) *loaded[i].target = found[i];
+  skinny_detect();
   return NULL;
 }
 
 /* Number of forwarded routines and their names (for reports and tests). */
 size_t mlxspec_blas_count(void) { return N_FORWARDED; }
-const char *mlxspec_blas_name(size_t i) { return i < N_FORWARDED ? forwarded[i].name : NULL; }
+const char *mlxspec_blas_name(size_t i) { return i < N_FORWARDED ? loaded[i].name : NULL; }

@@ -234,6 +234,81 @@ def test_library_path_setting_forwards_to_that_library(tmp_path, home):
     _check_against_float64(inputs, out)
 
 
+# -- skinny products: the shim's own kernel and the sgemv route ------------------------------------
+
+# Every shape the shim treats specially, with the tails of its loops: 1-8 rows (the kernel's
+# instances), 9 rows (back to sgemm), k around its 8-wide steps, n around the threads' split, a
+# transposed and a strided operand, beta != 0, one column. Row i of a product with 8 rows must be
+# bitwise the same as that row alone (what batching and speculative verification rely on).
+SKINNY = r"""
+import json, sys
+import numpy as np
+import mlxspec
+from mlxspec import blas
+import mlx.core as mx
+
+rng = np.random.default_rng(0)
+normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+cases, arrays = {}, {}
+for m in range(1, 10):
+    for n, k in [(1, 5), (7, 1), (13, 9), (200, 8), (333, 577), (4099, 64)]:
+        arrays[f"nt_{m}_{n}_{k}"] = (normal(m, k), normal(n, k))
+        cases[f"nt_{m}_{n}_{k}"] = lambda a, b: a @ b.T
+for m in (1, 3):
+    arrays[f"nn_{m}"] = (normal(m, 70), normal(70, 45))  # x @ W: sgemv transposed or sgemm
+    cases[f"nn_{m}"] = lambda a, b: a @ b
+    arrays[f"tn_{m}"] = (normal(70, m), normal(45, 70))  # a transposed: a column of a (70, m)
+    cases[f"tn_{m}"] = lambda a, b: a.T @ b.T
+arrays["column"] = (normal(6, 70), normal(70, 1))
+cases["column"] = lambda a, b: a @ b
+arrays["strided"] = (normal(4, 300), normal(50, 130))  # a's rows are 300 apart, k = 130
+cases["strided"] = lambda a, b: a[:, 100:230] @ b.T
+arrays["addmm"] = (normal(3, 50), normal(40, 50))
+cases["addmm"] = lambda a, b: mx.addmm(mx.ones((3, 40)), a, b.T, alpha=0.5, beta=2.0)
+before = blas.product_routes()
+out = {name: np.array(cases[name](mx.array(a), mx.array(b))) for name, (a, b) in arrays.items()}
+routes = {key: value - before[key] for key, value in blas.product_routes().items()}
+a8, w = mx.array(normal(8, 577)), mx.array(normal(333, 577))
+batched = np.array(a8 @ w.T)
+alone = [np.array(a8[i : i + 1] @ w.T) for i in range(8)]
+np.savez(sys.argv[1], **{f"in_{k}_{j}": v for k, pair in arrays.items() for j, v in enumerate(pair)},
+         **{f"out_{k}": v for k, v in out.items()})
+print(json.dumps({"routes": routes, "threads": blas.blas_report(measure=False).get("threads"),
+                  "row_independent": all(np.array_equal(batched[i : i + 1], alone[i])
+                                         for i in range(8))}))
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_skinny_products_match_float64(tmp_path, home, threads):
+    code = SKINNY.replace("sys.argv[1]", repr(str(tmp_path / "out.npz")))
+    report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads)
+    saved = np.load(tmp_path / "out.npz")
+    names = sorted(k[4:] for k in saved.files if k.startswith("out_"))
+    for name in names:
+        a, b = saved[f"in_{name}_0"], saved[f"in_{name}_1"]
+        if name.startswith("nt") or name == "strided":
+            a, b = (a[:, 100:230], b.T) if name == "strided" else (a, b.T)
+        elif name.startswith("tn"):
+            a, b = a.T, b.T
+        elif name == "addmm":
+            a, b = a, b.T
+        reference = a.astype(np.float64) @ b
+        bound = 2 * _bound(a, b)
+        if name == "addmm":
+            reference = 2.0 + 0.5 * reference
+            bound = 0.5 * bound + 4 * EPS32 * np.abs(reference)
+        error = np.abs(saved[f"out_{name}"] - reference)
+        assert np.all(error <= bound), f"{name}: max error {error.max():.3g}"
+    # The routes were taken: the kernel where the CPU has AVX2 and FMA, sgemv for one row.
+    import platform
+
+    if platform.machine() == "x86_64" and "avx2" in Path("/proc/cpuinfo").read_text():
+        assert report["routes"]["skinny"] >= 8 * 6 + 2  # 1-8 rows x 6 shapes, strided, addmm
+    assert report["routes"]["gemv"] >= 1  # x @ W with one row
+    assert report["row_independent"]
+
+
 # -- fallbacks: one clear warning, MLX still works --------------------------------------------------
 
 FALLBACK = r"""

@@ -36,6 +36,11 @@ def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
     assert {"mlxspec/recipes/draft_pairs.json", "mlxspec/recipes/quantization/embed8.json"} <= set(
         names)
     assert "mlxspec/metal/__init__.py" in names
+    # Every module of the source tree is in the wheel (a subpackage missing from pyproject's
+    # list would import from this checkout but not from an installed wheel).
+    for folder, package in (("mlxspec", "mlxspec"), ("cli", "mlxspec/cli"), ("metal", "mlxspec/metal")):
+        for source in (ROOT / folder).rglob("*.py"):
+            assert f"{package}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
 
     # A fresh venv with the wheel; its dependencies come from this environment's site-packages
     # through a .pth file (no network, and not this checkout: the .pth adds only a path).
@@ -62,6 +67,9 @@ def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
         cwd=tmp_path,
     ).stdout
     assert where.startswith(str(env_dir)), where
+    # Generation's modules import from the installed wheel alone (no model needed).
+    subprocess.run([str(py), "-c", "import mlxspec.generate, mlxspec.engine, mlxspec.speculative"],
+                   check=True, cwd=tmp_path, capture_output=True)
     for args in (["--version"], ["--help"]):
         result = subprocess.run(
             [str(env_dir / "bin" / "mlxspec"), *args], capture_output=True, text=True, cwd=tmp_path
