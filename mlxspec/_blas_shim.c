@@ -149,6 +149,16 @@ static int skinny_routing = 1;   /* mlxspec_blas_set_routing(0): every product t
 void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
 void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
 
+/* What this build does with skinny products: bit 0 routing on, bit 1 the kernel (AVX2 and FMA),
+ * bit 2 built with OpenMP (the kernel uses several threads). */
+int mlxspec_blas_skinny_mode(void) {
+  int openmp = 0;
+#ifdef _OPENMP
+  openmp = 1;
+#endif
+  return skinny_routing | skinny_available << 1 | openmp << 2;
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define SKINNY_TARGET __attribute__((target("avx2,fma")))

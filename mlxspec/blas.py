@@ -68,6 +68,7 @@ class BlasState:
 
 _state: BlasState | None = None
 _shim: ctypes.CDLL | None = None
+_skinny_threads = 1
 
 
 class _Unavailable(Exception):
@@ -80,7 +81,7 @@ def setup() -> None:
     Idempotent. Never raises: when it cannot help, MLX keeps its reference BLAS and one warning
     says why. See the module docstring for ``MLXSPEC_BLAS``.
     """
-    global _state
+    global _state, _skinny_threads
     if _state is not None:
         return
     requested = os.environ.get("MLXSPEC_BLAS", "").strip() or "auto"
@@ -113,6 +114,7 @@ def setup() -> None:
             _activate(Path(requested).expanduser(), "", "custom")
             threads = _threads_from_environment() or default_threads()
         _shim.mlxspec_blas_set_threads(threads)  # the shim's own skinny-product kernel
+        _skinny_threads = threads
         if os.environ.get("MLXSPEC_SKINNY", "").strip().lower() in ("0", "off", "false", "no"):
             _shim.mlxspec_blas_set_routing(0)  # every product to the library's sgemm
     except _Unavailable as e:
@@ -279,6 +281,19 @@ def forwarded_calls() -> int | None:
     return ctypes.c_ulonglong.in_dll(_shim, "mlxspec_blas_calls").value
 
 
+def skinny_products() -> str | None:
+    """How the shim computes products of 1-8 rows (None when it is not active)."""
+    if _shim is None:
+        return None
+    mode = _shim.mlxspec_blas_skinny_mode()
+    if not mode & 1:
+        return "off (MLXSPEC_SKINNY=0): every product goes to sgemm"
+    if not mode & 2:
+        return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
+    threads = f"{_skinny_threads} threads (OpenMP)" if mode & 4 else "1 thread (built without OpenMP)"
+    return f"AVX2/FMA kernel for 1-8 rows, {threads}; other single rows to sgemv"
+
+
 def product_routes() -> dict[str, int] | None:
     """How many float32 products the shim computed with its skinny kernel (1-8 rows times a
     transposed matrix) and sent to sgemv (one row or column); None when it is not active."""
@@ -391,6 +406,7 @@ def blas_report(measure: bool = True) -> dict:
     if sys.platform == "linux":
         report["resolved"] = resolved_library()
         report["forwarded_calls"] = forwarded_calls()
+        report["skinny_products"] = skinny_products()
         report["product_routes"] = product_routes()
     report["notice"] = _state.notice
     return report

@@ -273,16 +273,17 @@ batched = np.array(a8 @ w.T)
 alone = [np.array(a8[i : i + 1] @ w.T) for i in range(8)]
 np.savez(sys.argv[1], **{f"in_{k}_{j}": v for k, pair in arrays.items() for j, v in enumerate(pair)},
          **{f"out_{k}": v for k, v in out.items()})
-print(json.dumps({"routes": routes, "threads": blas.blas_report(measure=False).get("threads"),
+print(json.dumps({"routes": routes, "mode": blas.skinny_products(),
                   "row_independent": all(np.array_equal(batched[i : i + 1], alone[i])
                                          for i in range(8))}))
 """
 
 
-@pytest.mark.parametrize("threads", ["1", "2"])
-def test_skinny_products_match_float64(tmp_path, home, threads):
+@pytest.mark.parametrize("threads, skinny", [("1", "1"), ("2", "1"), ("2", "0")],
+                         ids=["1-thread", "2-threads", "off"])
+def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
     code = SKINNY.replace("sys.argv[1]", repr(str(tmp_path / "out.npz")))
-    report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads)
+    report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads, MLXSPEC_SKINNY=skinny)
     saved = np.load(tmp_path / "out.npz")
     names = sorted(k[4:] for k in saved.files if k.startswith("out_"))
     for name in names:
@@ -300,11 +301,16 @@ def test_skinny_products_match_float64(tmp_path, home, threads):
             bound = 0.5 * bound + 4 * EPS32 * np.abs(reference)
         error = np.abs(saved[f"out_{name}"] - reference)
         assert np.all(error <= bound), f"{name}: max error {error.max():.3g}"
+    if skinny == "0":  # every product went to sgemm, as before the shim computed any itself
+        assert report["routes"] == {"skinny": 0, "gemv": 0}
+        assert report["mode"].startswith("off")
+        return
     # The routes were taken: the kernel where the CPU has AVX2 and FMA, sgemv for one row.
     import platform
 
     if platform.machine() == "x86_64" and "avx2" in Path("/proc/cpuinfo").read_text():
         assert report["routes"]["skinny"] >= 8 * 6 + 2  # 1-8 rows x 6 shapes, strided, addmm
+        assert report["mode"].startswith(f"AVX2/FMA kernel for 1-8 rows, {threads} thread")
     assert report["routes"]["gemv"] >= 1  # x @ W with one row
     assert report["row_independent"]
 
