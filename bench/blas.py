@@ -2,7 +2,9 @@
 
 Each BLAS choice runs in its own subprocess (the choice is made before ``mlx.core`` is imported):
 ``MLXSPEC_BLAS=reference``, the default (OpenBLAS on the cores not already busy, see
-``mlxspec.blas.default_threads``), and OpenBLAS on every core. Measured in each (with the 1-minute load average, since other
+``mlxspec.blas.default_threads``, with the shim's own kernel for products of 1-8 rows), the same
+with every product sent to OpenBLAS's sgemm (``MLXSPEC_SKINNY=0``), and OpenBLAS on every core.
+``--repeats N`` takes the columns in turns N times and reports medians. Measured in each (with the 1-minute load average, since other
 processes on the machine skew every timing):
 
 - float32 matmul GFLOP/s (512^2, 1024^2) and memory bandwidth (large copy and sum, GB/s), the
@@ -16,6 +18,7 @@ processes on the machine skew every timing):
     python bench/blas.py                      # default model (mlxspec.load)
     python bench/blas.py path/to/mlx_model --json
     python bench/blas.py --random-model       # random weights with SmolLM2-135M's shapes
+    OPENBLAS_NUM_THREADS=2 python bench/blas.py --skip-reference --repeats 5 --json
 
 The model is an MLX/Hugging Face directory or anything ``mlxspec.load`` accepts. Without one, or
 if loading fails, a randomly initialised model with SmolLM2-135M's shapes stands in (the label
@@ -199,6 +202,16 @@ def run_worker(spec, random_model, prompt_tokens, decode_tokens, skip_model) -> 
     return result
 
 
+def _median_round(runs: list[dict]) -> dict:
+    """Each number's median over the rounds (other values from the first round)."""
+    out = dict(runs[0])
+    for key, value in out.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = round(statistics.median(r[key] for r in runs), 3)
+    out["rounds"] = len(runs)
+    return out
+
+
 def _speedup(key: str, reference, optimized) -> float | None:
     """optimized vs reference, > 1 is better: a ratio of rates, or the inverse ratio of times."""
     if not isinstance(reference, (int, float)) or not isinstance(optimized, (int, float)):
@@ -215,9 +228,14 @@ def _speedup(key: str, reference, optimized) -> float | None:
 @click.option("--no-model", is_flag=True, help="Only matmul, bandwidth and layer timings.")
 @click.option("--prompt-tokens", default=128, show_default=True)
 @click.option("--decode-tokens", default=32, show_default=True)
+@click.option("--repeats", default=1, show_default=True,
+              help="Rounds of every column, taken in turns; each number is the median of its "
+              "rounds (this machine's timings drift by tens of percent between runs).")
+@click.option("--skip-reference", is_flag=True, help="Leave out the slow reference-BLAS column.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--worker", is_flag=True, hidden=True)
-def main(model, random_model, no_model, prompt_tokens, decode_tokens, as_json, worker):
+def main(model, random_model, no_model, prompt_tokens, decode_tokens, repeats, skip_reference,
+         as_json, worker):
     """MLX CPU speed on the reference BLAS vs OpenBLAS (Linux)."""
     args = (model, random_model, prompt_tokens, decode_tokens, no_model)
     if worker:
@@ -226,21 +244,25 @@ def main(model, random_model, no_model, prompt_tokens, decode_tokens, as_json, w
         return
     options = ["--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens)]
     options += ["--random-model"] * random_model + ["--no-model"] * no_model + [model] * bool(model)
-    results = {}
-    for name, column_env in COLUMNS:
-        env = {k: v for k, v in os.environ.items() if k not in ("MLXSPEC_BLAS", *column_env)}
-        print(f"measuring {name} ...", file=sys.stderr)
-        output = subprocess.run(
-            [sys.executable, __file__, "--worker", *options],
-            env=env | column_env,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        results[name] = json.loads(output.strip().splitlines()[-1])
-    reference = results["reference"]
-    names = [name for name, _ in COLUMNS]
-    results["speedup_vs_reference"] = {
+    columns = COLUMNS[1:] if skip_reference else COLUMNS
+    rounds = {name: [] for name, _ in columns}
+    for round_ in range(repeats):
+        for name, column_env in columns:
+            env = {k: v for k, v in os.environ.items() if k not in ("MLXSPEC_BLAS", *column_env)}
+            print(f"measuring {name} (round {round_ + 1} of {repeats}) ...", file=sys.stderr)
+            output = subprocess.run(
+                [sys.executable, __file__, "--worker", *options],
+                env=env | column_env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            rounds[name].append(json.loads(output.strip().splitlines()[-1]))
+    results = {name: _median_round(runs) for name, runs in rounds.items()}
+    names = [name for name, _ in columns]
+    reference = results[names[0]]
+    speedup = f"speedup_vs_{names[0]}"  # the reference BLAS unless --skip-reference
+    results[speedup] = {
         name: {
             k: ratio
             for k, value in results[name].items()
@@ -261,7 +283,7 @@ def main(model, random_model, no_model, prompt_tokens, decode_tokens, as_json, w
             continue
         cells = [f"{value!s:>22}"]
         for name in names[1:]:
-            ratio = results["speedup_vs_reference"][name].get(key)
+            ratio = results[speedup][name].get(key)
             cell = f"{results[name].get(key)!s}" + (f" ({ratio}x)" if ratio else "")
             cells.append(f"{cell:>22}")
         print(f"{key:<26}" + "".join(cells))

@@ -19,11 +19,9 @@
  * them: it calls the LAPACK_xxx macros of lapack.h >= 3.9.1).
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 typedef int blas_int;
 typedef int cblas_enum; /* CBLAS_ORDER / CBLAS_TRANSPOSE */
@@ -149,15 +147,8 @@ static int skinny_routing = 1;   /* mlxspec_blas_set_routing(0): every product t
 void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
 void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
 
-/* What this build does with skinny products: bit 0 routing on, bit 1 the kernel (AVX2 and FMA),
- * bit 2 built with OpenMP (the kernel uses several threads). */
-int mlxspec_blas_skinny_mode(void) {
-  int openmp = 0;
-#ifdef _OPENMP
-  openmp = 1;
-#endif
-  return skinny_routing | skinny_available << 1 | openmp << 2;
-}
+/* What this build does with skinny products: bit 0 routing on, bit 1 the kernel (AVX2 and FMA). */
+int mlxspec_blas_skinny_mode(void) { return skinny_routing | skinny_available << 1; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -211,21 +202,94 @@ static void skinny_detect(void) {
   skinny_available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* The columns j of c are split evenly between the threads (in multiples of 8). */
+/*
+ * The kernel's threads: a pool of its own rather than OpenMP's. libgomp gives every thread that
+ * starts a parallel region a team of its own, and MLX multiplies on two threads (the default
+ * stream's and mlx-lm's generation stream's): once both had teams, libgomp counted more threads
+ * than cores and stopped spinning, and every product paid for waking its team (decode back at
+ * sgemm's speed). One pool serves every caller here, one product at a time (a caller finding it
+ * busy computes alone). Its workers spin briefly for the next product (decoding issues one every
+ * ~0.1-0.3 ms), then sleep on a condition variable.
+ */
+#define POOL_MAX_THREADS 64
+#define POOL_SPIN_CYCLES 2000000ULL /* ~1 ms at 2 GHz of spinning before a worker sleeps */
+
+static struct {
+  pthread_mutex_t busy;   /* held by the caller whose product the pool is computing */
+  pthread_mutex_t sleep;  /* with `wake`: where idle workers sleep */
+  pthread_cond_t wake;
+  unsigned long generation; /* bumped for every product (atomic) */
+  int pending;              /* workers still computing the current product (atomic) */
+  int workers;              /* workers started so far */
+  /* the current product; worker t (1-based) computes part t of `parts` */
+  int parts, m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  const float *a, *b;
+  float *c;
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
+            .sleep = PTHREAD_MUTEX_INITIALIZER,
+            .wake = PTHREAD_COND_INITIALIZER};
+/* The generation each worker was started at: it waits for the next one (set before its start). */
+static unsigned long pool_started_at[POOL_MAX_THREADS];
+
+/* Part `t` of `parts`: the columns j of c split evenly (in multiples of 8). */
+static void pool_part(int t) {
+  int chunk = ((pool.n + pool.parts - 1) / pool.parts + 7) & ~7;
+  int n0 = t * chunk, n1 = n0 + chunk < pool.n ? n0 + chunk : pool.n;
+  if (n0 < n1)
+    skinny_kernels[pool.m](n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
+                           pool.beta, pool.c, pool.ldc);
+}
+
+static void *pool_worker(void *arg) {
+  int id = (int)(size_t)arg;
+  unsigned long seen = pool_started_at[id];
+  for (;;) {
+    unsigned long long start = __rdtsc();
+    while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+      if (__rdtsc() - start < POOL_SPIN_CYCLES) {
+        _mm_pause();
+        continue;
+      }
+      pthread_mutex_lock(&pool.sleep);
+      while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen)
+        pthread_cond_wait(&pool.wake, &pool.sleep);
+      pthread_mutex_unlock(&pool.sleep);
+    }
+    seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+    if (id < pool.parts) pool_part(id);
+    __atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL);
+  }
+  return NULL;
+}
+
 static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
-  int threads = (size_t)m * n * k < SKINNY_PARALLEL_MIN ? 1 : skinny_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    int t = 0, nt = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
-    int chunk = ((n + nt - 1) / nt + 7) & ~7;
-    int n0 = t * chunk, n1 = n0 + chunk < n ? n0 + chunk : n;
-    if (n0 < n1) skinny_kernels[m](n0, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  int threads = skinny_threads < POOL_MAX_THREADS ? skinny_threads : POOL_MAX_THREADS;
+  if (threads < 2 || (size_t)m * n * k < SKINNY_PARALLEL_MIN ||
+      pthread_mutex_trylock(&pool.busy) != 0) {
+    skinny_kernels[m](0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
   }
+  while (pool.workers < threads - 1) { /* started on first use, kept for the process */
+    pthread_t thread;
+    pool_started_at[pool.workers + 1] = pool.generation;
+    if (pthread_create(&thread, NULL, pool_worker, (void *)(size_t)(pool.workers + 1)) != 0)
+      break;
+    pthread_detach(thread);
+    ++pool.workers;
+  }
+  pool.parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
+  pool.m = m, pool.n = n, pool.k = k, pool.alpha = alpha, pool.beta = beta;
+  pool.a = a, pool.lda = lda, pool.b = b, pool.ldb = ldb, pool.c = c, pool.ldc = ldc;
+  __atomic_store_n(&pool.pending, pool.workers, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&pool.sleep); /* a worker between its last check and its wait sees this */
+  __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
+  pthread_cond_broadcast(&pool.wake);
+  pthread_mutex_unlock(&pool.sleep);
+  pool_part(0);
+  while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0) _mm_pause();
+  pthread_mutex_unlock(&pool.busy);
 }
 #else
 static void skinny_detect(void) {}

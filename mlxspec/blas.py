@@ -16,7 +16,7 @@ Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one
 
 Decoding multiplies 1-8 rows of activations by each weight matrix. OpenBLAS's sgemm packs the
 whole weight matrix before such a product, reading and writing it twice to use it once, so the
-shim computes these skinny products itself (AVX2/FMA, on OpenBLAS's thread count through OpenMP;
+shim computes these skinny products itself (AVX2/FMA, on OpenBLAS's thread count;
 one row elsewhere goes to sgemv): a float32 SmolLM2 decode step ~1.6x faster, and a step over 8
 rows (a batch, a speculative verification) costs ~2x one row instead of ~1.1x a slower one
 (``bench/blas.py``). ``MLXSPEC_SKINNY=0`` sends every product to sgemm as before.
@@ -249,15 +249,10 @@ def shim_library() -> Path:
         raise _Unavailable(
             f"cannot write {target.parent} ({e.strerror}); set MLXSPEC_HOME to a writable directory"
         ) from e
-    # OpenMP spreads the shim's skinny-product kernel over the cores; a compiler without it
-    # (clang with no libomp) builds the same shim single-threaded.
-    arguments = ["-O2", "-shared", "-fPIC", "-o", tmp, str(SHIM_SOURCE), "-ldl"]
+    command = [*compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SHIM_SOURCE),
+               "-ldl"]
     try:
-        for openmp in (["-fopenmp"], []):
-            result = subprocess.run([*compiler, *openmp, *arguments], capture_output=True,
-                                    text=True, timeout=120)
-            if result.returncode == 0:
-                break
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         os.unlink(tmp)
         raise _Unavailable(
@@ -290,7 +285,7 @@ def skinny_products() -> str | None:
         return "off (MLXSPEC_SKINNY=0): every product goes to sgemm"
     if not mode & 2:
         return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
-    threads = f"{_skinny_threads} threads (OpenMP)" if mode & 4 else "1 thread (built without OpenMP)"
+    threads = f"{_skinny_threads} thread{'s' * (_skinny_threads > 1)}"
     return f"AVX2/FMA kernel for 1-8 rows, {threads}; other single rows to sgemv"
 
 
