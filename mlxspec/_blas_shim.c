@@ -129,11 +129,11 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
  * verification). OpenBLAS's sgemm packs the whole of W into its blocked layout before using it,
  * even for one row: it reads and writes the weights twice to use them once. This kernel streams
  * each row of W once and applies it to all m rows of x (held in cache), so a product over 8 rows
- * costs little more than over one. Each output is the same sum in the same order whatever m is,
- * so a row's result does not depend on what it is batched with. On 2 x86 cores, SmolLM2's 211
- * float32 products per token (bench/blas.py): sgemm 65 ms at 1 row and 64-74 ms at 8, this kernel
- * 22 ms and 42-46 ms. x86-64 with AVX2 and FMA only; elsewhere m = 1 goes to sgemv, which also
- * streams W once, and larger m to sgemm.
+ * costs less than two over one. Each output is the same sum in the same order whatever m is,
+ * so a row's result does not depend on what it is batched with. On 2 x86 vCPUs, SmolLM2's 211
+ * float32 products per token: sgemm 57-65 ms at 1 row and 64-74 ms at 8, this kernel 22-23 ms and
+ * 42-46 ms (bench/results/skinny_products_2026-12-02.json). x86-64 with AVX2 and FMA only;
+ * elsewhere m = 1 goes to sgemv, which also streams W once, and larger m to sgemm.
  */
 #define SKINNY_MAX_ROWS 8
 /* Products smaller than this (multiply-adds) run on one thread: waking another costs more. */
