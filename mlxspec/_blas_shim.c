@@ -145,6 +145,7 @@ static int skinny_available = 0; /* the CPU has AVX2 and FMA (set at load) */
 static int skinny_routing = 1;   /* mlxspec_blas_set_routing(0): every product to sgemm */
 
 void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
+int mlxspec_blas_threads(void) { return skinny_threads; }
 void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
 
 /* What this build does with skinny products: bit 0 routing on, bit 1 the kernel (AVX2 and FMA). */

@@ -16,10 +16,11 @@ Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one
 
 Decoding multiplies 1-8 rows of activations by each weight matrix. OpenBLAS's sgemm packs the
 whole weight matrix before such a product, reading and writing it twice to use it once, so the
-shim computes these skinny products itself (AVX2/FMA, on OpenBLAS's thread count;
-one row elsewhere goes to sgemv): a float32 SmolLM2 decode step ~1.6x faster, and a step over 8
-rows (a batch, a speculative verification) costs ~2x one row instead of ~1.1x a slower one
-(``bench/blas.py``). ``MLXSPEC_SKINNY=0`` sends every product to sgemm as before.
+shim computes these skinny products itself (AVX2/FMA, on OpenBLAS's thread count; one row
+elsewhere goes to sgemv): a float32 SmolLM2 decode step ~1.6x faster, and a step over 8 rows (a
+batch, a speculative verification) costs ~1.7x one row instead of ~1.2x a slower one
+(``bench/results/skinny_products_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends every product
+to sgemm as before.
 
 ``MLXSPEC_BLAS`` chooses:
 
@@ -68,7 +69,6 @@ class BlasState:
 
 _state: BlasState | None = None
 _shim: ctypes.CDLL | None = None
-_skinny_threads = 1
 
 
 class _Unavailable(Exception):
@@ -81,7 +81,7 @@ def setup() -> None:
     Idempotent. Never raises: when it cannot help, MLX keeps its reference BLAS and one warning
     says why. See the module docstring for ``MLXSPEC_BLAS``.
     """
-    global _state, _skinny_threads
+    global _state
     if _state is not None:
         return
     requested = os.environ.get("MLXSPEC_BLAS", "").strip() or "auto"
@@ -102,19 +102,16 @@ def setup() -> None:
         )
         return
     try:
+        threads = _threads_from_environment() or default_threads()
         if requested in ("auto", "openblas"):
             library = _openblas_library()
             _activate(library, OPENBLAS_PREFIX, "openblas")
-            threads = _threads_from_environment()
-            if threads is None:
-                threads = default_threads()
+            if not any(variable in os.environ for variable in THREAD_VARIABLES):
                 openblas = ctypes.CDLL(str(library), mode=os.RTLD_LOCAL)  # the shim's handle
                 openblas.scipy_openblas_set_num_threads(threads)
         else:
             _activate(Path(requested).expanduser(), "", "custom")
-            threads = _threads_from_environment() or default_threads()
         _shim.mlxspec_blas_set_threads(threads)  # the shim's own skinny-product kernel
-        _skinny_threads = threads
         if os.environ.get("MLXSPEC_SKINNY", "").strip().lower() in ("0", "off", "false", "no"):
             _shim.mlxspec_blas_set_routing(0)  # every product to the library's sgemm
     except _Unavailable as e:
@@ -285,7 +282,8 @@ def skinny_products() -> str | None:
         return "off (MLXSPEC_SKINNY=0): every product goes to sgemm"
     if not mode & 2:
         return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
-    threads = f"{_skinny_threads} thread{'s' * (_skinny_threads > 1)}"
+    count = _shim.mlxspec_blas_threads()
+    threads = f"{count} thread{'s' * (count > 1)}"
     return f"AVX2/FMA kernel for 1-8 rows, {threads}; other single rows to sgemv"
 
 
