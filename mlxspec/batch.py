@@ -70,10 +70,11 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 def decode_throughput(model: nn.Module, batch: int, context: int, steps: int = 3) -> float:
     """Tokens per second of batched one-token decode steps over ``context`` cached tokens."""
     cache = make_prompt_cache(model)
-    model(mx.zeros((batch, context), mx.int32), cache=cache)
-    mx.eval([c.state for c in cache])
     y = mx.zeros((batch, 1), mx.int32)
-    mx.eval(model(y, cache=cache))  # warm-up
+    if context > 1:
+        model(mx.zeros((batch, context - 1), mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.eval(model(y, cache=cache))  # the last cached token, at the decode shape: the warm-up
     tic = time.perf_counter()
     for _ in range(steps):
         mx.eval(model(y, cache=cache))
@@ -85,7 +86,7 @@ def choose_batch_size(
     *,
     tokens_per_sequence: int,
     num_prompts: int,
-    context: int = 4,
+    context: int = 1,
     memory: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """The batch size for a job: what fits in memory, then the knee of the throughput curve.

@@ -301,6 +301,7 @@ class Engine:
             max_tokens=request.max_tokens - stream.generated,
             sampler=self._sampler(request.sampling),
             processors=stream.processors,
+            logprobs=request.logprobs,
         )
         self._by_buid[stream.buid] = stream
 

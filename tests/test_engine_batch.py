@@ -1,0 +1,138 @@
+"""The batch's greedy shortcut (`mlxspec.engine_batch`): the argmax of the raw logits is used only
+where it is the argmax of the log-probabilities (mlx-lm's greedy step); near-ties are normalized."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxspec.engine_batch as engine_batch
+from mlxspec.batch import batch_generate
+from mlxspec.engine import Engine
+from mlxspec.engine_batch import greedy_candidates, greedy_tokens
+from mlxspec.engine_requests import Request
+from mlxspec.generate import generate
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at"]
+MAX_TOKENS = 6
+
+
+def normalized_argmax(logits: mx.array) -> list[int]:
+    """mlx-lm's greedy token: the argmax of logits - logsumexp(logits)."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).tolist()
+
+
+def test_greedy_tokens_equal_the_argmax_of_log_probabilities():
+    rng = np.random.default_rng(0)
+    vocabulary = 49152
+    # Rows 0-15: spread logits (the top one stands out). Rows 16-47: flat logits (log-probabilities
+    # near -log(vocabulary), where float32 is 250x coarser than at the logits), with an earlier
+    # index planted 0-5 float32 steps below the top: normalizing can merge the two.
+    logits = np.concatenate([rng.normal(0, 4, (16, vocabulary)),
+                             rng.normal(0, 0.01, (32, vocabulary))]).astype(np.float32)
+    for row in range(16, 48):
+        top = int(np.argmax(logits[row]))
+        if top == 0:
+            logits[row, [0, 1]] = logits[row, [1, 0]]
+            top = 1
+        earlier = int(rng.integers(0, top))
+        value = logits[row, top]
+        for _ in range((row - 16) % 6):
+            value = np.nextafter(value, np.float32(-np.inf))
+        logits[row, earlier] = value
+    logits = mx.array(logits)
+
+    top, near = greedy_candidates(logits)
+    want = normalized_argmax(logits)
+    assert greedy_tokens(logits, top, near).tolist() == want
+    # The check is needed: on some rows the raw argmax is not mlx-lm's token ...
+    assert any(t != w for t, w in zip(top.tolist(), want, strict=True))
+    # ... and rows without a near-tie take the shortcut.
+    assert near.tolist()[:16] == [1] * 16
+
+
+@pytest.fixture(scope="module")
+def one_by_one(smollm2):
+    model, tokenizer = smollm2
+    return [generate(model, tokenizer, p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+
+
+def test_batch_takes_the_shortcut_and_matches_plain_decoding(smollm2, one_by_one, monkeypatch):
+    model, tokenizer = smollm2
+    calls = []
+    original = engine_batch.greedy_candidates
+    monkeypatch.setattr(engine_batch, "greedy_candidates",
+                        lambda logits: calls.append(logits.shape) or original(logits))
+    results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
+    assert [r.text for r in results] == one_by_one
+    assert calls, "a greedy batch without logprobs should skip the normalization"
+
+
+def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_one, monkeypatch):
+    """The shortcut's tokens made wrong on purpose and every row flagged as a near-tie: the
+    output is still plain decoding's, so each flagged token is replaced before it is fed back,
+    through rows finishing (filter) and joining (extend) the batch."""
+    model, tokenizer = smollm2
+
+    def wrong_and_flagged(logits):
+        top = (mx.argmax(logits, axis=-1) + 1) % logits.shape[-1]
+        return top.astype(mx.uint32), mx.full(top.shape, 2, mx.int32)
+
+    monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+    results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
+    assert [r.text for r in results] == one_by_one
+
+
+def test_rows_reporting_logprobs_are_normalized(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    calls = []
+    monkeypatch.setattr(engine_batch, "greedy_candidates",
+                        lambda logits: calls.append(1) or pytest.fail("shortcut with logprobs"))
+    engine = Engine(model, tokenizer, max_batch=4, prompt_cache_size=0)
+    rids = [engine.submit(Request(prompt=tokenizer.encode(p), max_tokens=4, logprobs=True))
+            for p in PROMPTS[:2]]
+    events = []
+    while engine.streams:
+        events += engine.step()
+    assert {e.rid for e in events} == set(rids)
+    logprobs = [e.logprob for e in events if e.token is not None]
+    assert logprobs and all(lp is not None and lp <= 0 for lp in logprobs)
+    assert not calls
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_last_token_logits_equal_the_full_forward(name, request, monkeypatch):
+    """Prompts of different lengths, right-padded as the batch pads them: the logits at each
+    row's last token and the caches left behind match a full forward's, and the output head ran
+    on one position per row."""
+    from mlxspec.cache import make_cache
+
+    model, tokenizer = request.getfixturevalue(name)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    lengths = [len(p) for p in prompts]
+    tokens = mx.array([p + [0] * (max(lengths) - len(p)) for p in prompts])
+    full_cache, cache = make_cache(model), make_cache(model)
+    full = model(tokens, cache=full_cache)[mx.arange(3), mx.array(lengths) - 1]
+
+    seen = []
+    norm = model.model.norm
+    call = type(norm).__call__
+
+    def recording(self, x):
+        if self is norm:
+            seen.append(x.shape)
+        return call(self, x)
+
+    monkeypatch.setattr(type(norm), "__call__", recording)
+    last = engine_batch.last_token_logits(model, tokens, cache, lengths)
+    monkeypatch.undo()
+
+    assert last.shape == full.shape
+    np.testing.assert_allclose(np.array(last), np.array(full), rtol=1e-4, atol=1e-4)
+    assert mx.argmax(last, axis=-1).tolist() == mx.argmax(full, axis=-1).tolist()
+    assert seen == [(3, 1, model.model.norm.weight.shape[0])]
+    assert model.model.norm is norm  # the model is left as it was
+    for mine, theirs in zip(cache, full_cache, strict=True):
+        for a, b in zip(mine.state, theirs.state, strict=True):
+            assert mx.array_equal(a, b)
