@@ -130,32 +130,48 @@ def last_token_logits(
 class _Rows(GenerationBatch):
     """mlx-lm's ``GenerationBatch`` with the greedy shortcut of the module docstring.
 
-    A shortcut step leaves its tokens unsettled (``_check``: the logits and near-tie counts of
-    its rows); the next step settles them before building its forward on them, so a near-tie
-    costs a normalization. Rows leaving are dropped from the check with their tokens; rows
-    joining are appended after them (their first tokens come normalized from the prefill).
-    Steps stay asynchronous: the forward runs while the caller handles the previous tokens.
+    A shortcut step leaves its tokens unchecked (``_check``: the logits and near-tie counts of
+    its rows). The next step builds its forward on them at once, as mlx-lm does (the forward
+    runs while the caller handles the previous tokens), then checks them: after a near-tie it
+    steps the caches back one token and redoes the forward on the normalized tokens. Caches
+    that cannot step back (a wrapped sliding window) have the tokens checked first. Rows
+    leaving are dropped from the check with their tokens; rows joining are appended after them
+    (their first tokens come normalized from the prefill).
     """
 
     _check: tuple[mx.array, mx.array] | None = None
     logprob_uids: set[int] = frozenset()  # rows reporting log-probabilities (set by DecodeBatch)
 
     def _step(self):
-        self._settle()
         if not self._plain_greedy():
+            self._settle()
             return super()._step()
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        top, near = greedy_candidates(logits)
+        check, self._check = self._check, None
+        inputs = self._next_tokens
+        rewind = check is not None and all(c.is_trimmable() for c in self.prompt_cache)
+        if check is not None and not rewind:
+            inputs = greedy_tokens(check[0], inputs, check[1])
+        top, near, logits = self._forward(inputs)
+        if rewind:
+            settled = greedy_tokens(check[0], inputs, check[1])  # waits for the previous step
+            if settled is not inputs:  # a near-tie: that forward was fed another token
+                for c in self.prompt_cache:
+                    c.trim(1)
+                inputs = settled
+                top, near, logits = self._forward(inputs)
+        self._current_tokens, self._current_logprobs = inputs, self._next_logprobs
         self._next_tokens, self._check = top, (logits, near)
         self._next_logprobs = [None] * len(self.uids)
-        mx.async_eval(top, near)
-        inputs = inputs.tolist()
-        for row_tokens, token in zip(self.tokens, inputs, strict=True):
+        tokens = inputs.tolist()
+        for row_tokens, token in zip(self.tokens, tokens, strict=True):
             row_tokens.append(token)
-        return inputs, self._current_logprobs
+        return tokens, self._current_logprobs
+
+    def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        top, near = greedy_candidates(logits)
+        mx.async_eval(top, near)
+        return top, near, logits
 
     def _plain_greedy(self) -> bool:
         samplers = self.samplers or [None] * len(self.uids)

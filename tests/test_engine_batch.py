@@ -69,11 +69,23 @@ def test_batch_takes_the_shortcut_and_matches_plain_decoding(smollm2, one_by_one
     assert calls, "a greedy batch without logprobs should skip the normalization"
 
 
-def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_one, monkeypatch):
+@pytest.mark.parametrize("rewind", [True, False], ids=["caches-step-back", "checked-first"])
+def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_one, monkeypatch,
+                                                               rewind):
     """The shortcut's tokens made wrong on purpose and every row flagged as a near-tie: the
-    output is still plain decoding's, so each flagged token is replaced before it is fed back,
-    through rows finishing (filter) and joining (extend) the batch."""
+    output is still plain decoding's, so each flagged token is replaced before its forward
+    counts (redone after stepping the caches back, or checked first when they cannot step
+    back), through rows finishing (filter) and joining (extend) the batch."""
+    from mlx_lm.models.cache import BatchKVCache
+
     model, tokenizer = smollm2
+    if not rewind:
+        monkeypatch.setattr(BatchKVCache, "is_trimmable", lambda self: False)
+        monkeypatch.setattr(BatchKVCache, "trim", lambda self, n: pytest.fail("trimmed"))
+    trims = []
+    if rewind:
+        trim = BatchKVCache.trim
+        monkeypatch.setattr(BatchKVCache, "trim", lambda self, n: trims.append(n) or trim(self, n))
 
     def wrong_and_flagged(logits):
         top = (mx.argmax(logits, axis=-1) + 1) % logits.shape[-1]
@@ -82,6 +94,7 @@ def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_o
     monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
     results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
     assert [r.text for r in results] == one_by_one
+    assert bool(trims) == rewind
 
 
 def test_rows_reporting_logprobs_are_normalized(smollm2, monkeypatch):
