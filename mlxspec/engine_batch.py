@@ -47,18 +47,18 @@ GREEDY_TIE = 2.0**-16
 def greedy_candidates(logits: mx.array) -> tuple[mx.array, mx.array]:
     """Lazily: the argmax of each row of ``logits`` (rows, vocabulary), and how many logits of the
     row lie within ``GREEDY_TIE`` of its largest (1: the argmax is also that of the row's
-    log-probabilities)."""
+    log-probabilities; 0 for a row whose largest is not finite, left to the normalization)."""
     top = mx.argmax(logits, axis=-1)
     best = mx.take_along_axis(logits, top[:, None], axis=-1)
     near = mx.sum(logits >= best - GREEDY_TIE, axis=-1)
-    return top, near
+    return top, mx.where(mx.isfinite(best[:, 0]), near, 0)
 
 
 def greedy_tokens(logits: mx.array, top: mx.array, near: mx.array) -> mx.array:
     """mlx-lm's greedy tokens, ``argmax(logits - logsumexp(logits))`` per row, from
     ``greedy_candidates``: rows with a near-tie are normalized, the others keep ``top``
     (which may go on with rows of its own after those of ``logits``: they are kept)."""
-    tied = [i for i, n in enumerate(near.tolist()) if n > 1]
+    tied = [i for i, n in enumerate(near.tolist()) if n != 1]
     if not tied:
         return top
     rows = logits[mx.array(tied)]
@@ -188,10 +188,16 @@ class _Rows(GenerationBatch):
             self._next_tokens = greedy_tokens(logits, self._next_tokens, near)
 
     def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
         if self._check is not None:
-            index = mx.array(keep, mx.int32)
-            self._check = tuple(a[index] for a in self._check) if keep else None
+            # The check covers the first rows; rows that joined since are appended after them.
+            checked = self._check[1].shape[0]
+            if keep != sorted(keep):
+                self._settle()
+            else:
+                rows = [i for i in keep if i < checked]
+                index = mx.array(rows, mx.int32)
+                self._check = tuple(a[index] for a in self._check) if rows else None
+        super().filter(keep)
 
 
 class DecodeBatch:

@@ -18,6 +18,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Wate
 MAX_TOKENS = 6
 
 
+def wrong_and_flagged(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """A broken shortcut for the tests: every token wrong, every row flagged as a near-tie."""
+    top = (mx.argmax(logits, axis=-1) + 1) % logits.shape[-1]
+    return top.astype(mx.uint32), mx.full(top.shape, 2, mx.int32)
+
+
 def normalized_argmax(logits: mx.array) -> list[int]:
     """mlx-lm's greedy token: the argmax of logits - logsumexp(logits)."""
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).tolist()
@@ -50,6 +56,16 @@ def test_greedy_tokens_equal_the_argmax_of_log_probabilities():
     assert any(t != w for t, w in zip(top.tolist(), want, strict=True))
     # ... and rows without a near-tie take the shortcut.
     assert near.tolist()[:16] == [1] * 16
+
+
+def test_greedy_tokens_of_degenerate_rows_are_mlx_lms():
+    """Rows with NaN, +inf or only -inf logits go through the normalization, as in mlx-lm."""
+    inf, nan = float("inf"), float("nan")
+    logits = mx.array([[0.0, 1.0, nan, 0.5], [0.0, inf, 1.0, 2.0], [-inf, -inf, -inf, -inf],
+                       [0.0, 3.0, 1.0, 2.0]])
+    top, near = greedy_candidates(logits)
+    assert near.tolist()[3] == 1 and all(n != 1 for n in near.tolist()[:3])
+    assert greedy_tokens(logits, top, near).tolist() == normalized_argmax(logits)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +102,6 @@ def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_o
     if rewind:
         trim = BatchKVCache.trim
         monkeypatch.setattr(BatchKVCache, "trim", lambda self, n: trims.append(n) or trim(self, n))
-
-    def wrong_and_flagged(logits):
-        top = (mx.argmax(logits, axis=-1) + 1) % logits.shape[-1]
-        return top.astype(mx.uint32), mx.full(top.shape, 2, mx.int32)
 
     monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
     results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
@@ -149,3 +161,33 @@ def test_last_token_logits_equal_the_full_forward(name, request, monkeypatch):
     for mine, theirs in zip(cache, full_cache, strict=True):
         for a, b in zip(mine.state, theirs.state, strict=True):
             assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("flagged", [False, True], ids=["shortcut", "all-flagged"])
+def test_a_row_leaving_after_rows_joined_leaves_the_others_tokens(smollm2, one_by_one,
+                                                                  monkeypatch, flagged):
+    """Rows join after a shortcut step (its check covers the rows before them), then an earlier
+    row is cancelled before the next step: every remaining row still decodes plain decoding's
+    text (the check must be cut to the rows it covers, not indexed past them)."""
+    model, tokenizer = smollm2
+    if flagged:
+        monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+    engine = Engine(model, tokenizer, max_batch=8, prompt_cache_size=0)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    texts: dict[int, str] = {}
+
+    def step() -> None:
+        for e in engine.step():
+            texts[e.rid] = texts.get(e.rid, "") + e.text
+
+    leaving = engine.submit(Request(prompt=prompts[0], max_tokens=50))
+    kept = {engine.submit(Request(prompt=prompts[1], max_tokens=MAX_TOKENS)): 1}
+    step()
+    step()
+    kept.update({engine.submit(Request(prompt=prompts[i], max_tokens=MAX_TOKENS)): i
+                 for i in (2, 3)})
+    step()  # they join after this step's forward
+    engine.cancel(leaving)
+    while engine.streams:
+        step()
+    assert {rid: texts[rid] for rid in kept} == {rid: one_by_one[i] for rid, i in kept.items()}
