@@ -2,7 +2,8 @@
 
     python bench/serve.py [--model DIR] [--clients 1,2,4,8,16] [--seconds 20] [--max-tokens 64]
                           [--batch-prompts 256] [--load-clients 64] [--load-seconds 60]
-                          [--skip ceiling,serving,speculation,batch,load] [--out result.json]
+                          [--skip ceiling,serving,speculation,batch,shortcut,load]
+                          [--out result.json]
 
 Sections (JSON on stdout, one object):
 - ``ceiling``: mlx-lm's batched decode step alone at each batch size (no arrivals, no HTTP):
@@ -15,6 +16,8 @@ Sections (JSON on stdout, one object):
 - ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
 - ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
   (``mlxspec.generate``; a subset, as a rate).
+- ``shortcut``: ``mlxspec.batch_generate`` with the batch's greedy shortcut on and off in turns
+  (``mlxspec.engine_batch.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
 - ``load``: many clients for a bounded time against ``mlxspec serve``: mixed streaming and
   non-streaming, some disconnecting early, some malformed; checks that every answer to the same
   greedy prompt is the same text (no mixed-up responses), that the server survives, and samples
@@ -401,6 +404,35 @@ def batch(args) -> dict:
             "sizing_seconds": round(sizing_s, 2), "sizing": sizing, "loadavg": loadavg()}
 
 
+def shortcut(args) -> dict:
+    """``mlxspec.batch_generate`` with the batch's greedy shortcut on and off, in turns, at a
+    fixed batch size (``mlxspec.engine_batch.GREEDY_SHORTCUT``); the texts must be the same."""
+    import mlxspec
+    import mlxspec.engine_batch as engine_batch
+
+    model, tokenizer = mlxspec.load(args.model)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.shortcut_prompts)]
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    texts: dict[str, list[str]] = {}
+    try:
+        for _ in range(args.rounds):
+            for variant in ("on", "off"):
+                engine_batch.GREEDY_SHORTCUT = variant == "on"
+                tic = time.perf_counter()
+                results = mlxspec.batch_generate(model, tokenizer, prompts,
+                                                 max_tokens=args.max_tokens,
+                                                 batch_size=len(prompts))
+                seconds = time.perf_counter() - tic
+                rates[variant].append(round(sum(r.completion_tokens for r in results) / seconds, 2))
+                texts[variant] = [r.text for r in results]
+    finally:
+        engine_batch.GREEDY_SHORTCUT = True
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    return {"prompts": len(prompts), "batch_size": len(prompts), "tokens_per_s": rates,
+            "speedup": round(on / off, 3), "same_texts": texts["on"] == texts["off"],
+            "loadavg": loadavg()}
+
+
 def load_test(args) -> dict:
     port = free_port()
     proc = start_server("mlxspec", args.model, port,
@@ -489,6 +521,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-prompts", type=int, default=256)
     parser.add_argument("--one-by-one", type=int, default=16, help="prompts run one by one")
+    parser.add_argument("--shortcut-prompts", type=int, default=64,
+                        help="prompts (and batch size) of the shortcut section")
     parser.add_argument("--load-clients", type=int, default=64)
     parser.add_argument("--load-seconds", type=float, default=60)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
@@ -504,7 +538,7 @@ def main() -> None:
     result = {"model": args.model, "max_tokens": args.max_tokens, "loadavg_start": loadavg(),
               "cpu_count": os.cpu_count()}
     sections = {"ceiling": ceiling, "serving": serving, "speculation": speculation,
-                "batch": batch, "load": load_test}
+                "batch": batch, "shortcut": shortcut, "load": load_test}
     for name, run in sections.items():
         if name not in skip:
             result[name] = run(args)

@@ -17,7 +17,8 @@ and reports no log-probabilities, the step takes the argmax of the raw logits in
 same token unless another logit lies within ``GREEDY_TIE`` of the top one (subtracting the same
 number rounds monotonically, so only near-ties can merge); those rows are normalized as mlx-lm
 does before their token is used (``greedy_tokens``). SmolLM2 on 2 CPU cores, 64 prompts at batch
-size 64 (``mlxspec.batch_generate``, runs in turns): 98-107 tokens/s against 87-92 without.
+size 64 (``mlxspec.batch_generate``, runs in turns, ``bench/serve.py``'s ``shortcut`` section):
+91-97 tokens/s against 84-91 without (an earlier run: 98-107 against 87-92), the same texts.
 
 Nothing else changes: decoding, sampling, logits processors, stop tokens, token counts and the
 caches handed out are mlx-lm's own.
@@ -42,6 +43,7 @@ CLEAR_EVERY = 512  # decode steps between releases of MLX's buffer cache (as mlx
 # Logits this close to a row's largest may round to the same log-probability (|logprob| <= log
 # of the vocabulary < 16, where float32's spacing is at most 2**-19): such rows are normalized.
 GREEDY_TIE = 2.0**-16
+GREEDY_SHORTCUT = True  # False: every step normalizes as mlx-lm's (bench/serve.py's "shortcut")
 
 
 def greedy_candidates(logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -176,7 +178,8 @@ class _Rows(GenerationBatch):
     def _plain_greedy(self) -> bool:
         samplers = self.samplers or [None] * len(self.uids)
         return (
-            all((s or self.fallback_sampler) is greedy_sampler for s in samplers)
+            GREEDY_SHORTCUT
+            and all((s or self.fallback_sampler) is greedy_sampler for s in samplers)
             and not any(self.logits_processors)
             and not any(uid in self.logprob_uids for uid in self.uids)
         )
