@@ -148,13 +148,12 @@ class _Rows(GenerationBatch):
         if not self._plain_greedy():
             self._settle()
             return super()._step()
+        if self._check is not None and not all(c.is_trimmable() for c in self.prompt_cache):
+            self._settle()  # caches that cannot step back: check the tokens before the forward
         check, self._check = self._check, None
         inputs = self._next_tokens
-        rewind = check is not None and all(c.is_trimmable() for c in self.prompt_cache)
-        if check is not None and not rewind:
-            inputs = greedy_tokens(check[0], inputs, check[1])
         top, near, logits = self._forward(inputs)
-        if rewind:
+        if check is not None:
             settled = greedy_tokens(check[0], inputs, check[1])  # waits for the previous step
             if settled is not inputs:  # a near-tie: that forward was fed another token
                 for c in self.prompt_cache:
