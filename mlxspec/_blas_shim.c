@@ -22,6 +22,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 typedef int blas_int;
 typedef int cblas_enum; /* CBLAS_ORDER / CBLAS_TRANSPOSE */
@@ -125,31 +126,40 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
 
 /*
  * Skinny products: decoding multiplies a few rows of activations by each weight matrix,
- * x (m, k) @ W.T with W (n, k) and m = 1 (one stream) to 8 (a batch, a speculative
- * verification). OpenBLAS's sgemm packs the whole of W into its blocked layout before using it,
- * even for one row: it reads and writes the weights twice to use them once. This kernel streams
- * each row of W once and applies it to all m rows of x (held in cache), so a product over 8 rows
- * costs less than two over one. Each output is the same sum in the same order whatever m is,
- * so a row's result does not depend on what it is batched with. On 2 x86 vCPUs, SmolLM2's 211
- * float32 products per token: sgemm 57-65 ms at 1 row and 64-74 ms at 8, this kernel 22-23 ms and
- * 42-46 ms (bench/results/skinny_products_2026-12-02.json). x86-64 with AVX2 and FMA only;
- * elsewhere m = 1 goes to sgemv, which also streams W once, and larger m to sgemm.
+ * x (m, k) @ W.T with W (n, k) and m = 1 (one stream) to 16 (a batch, a speculative
+ * verification, a short prefill). OpenBLAS's sgemm packs the whole of W into its blocked layout
+ * before using it, even for one row: it reads and writes the weights twice to use them once. This
+ * kernel streams each row of W once and applies it to all m rows of x (held in cache), so a
+ * product over 8 rows costs little more than one over one. Each output is the same sum in the
+ * same order whatever m is, so a row's result does not depend on what it is batched with.
+ *
+ * Memory: the hardware prefetcher alone kept a product over 8 rows at about half the bandwidth
+ * of a product over one row (the FMAs between the weights' loads leave few cache misses in
+ * flight), so the kernel prefetches the next block of W's rows while it works on this one.
+ * On 2 x86 vCPUs (Sapphire Rapids), SmolLM2's 211 float32 products per token, from memory:
+ * sgemm 57-65 ms at 1 row and 64-74 ms at 8; the AVX2 kernel without the prefetch 22-23 ms and
+ * 42-46 ms; with it (AVX-512) 17 ms at 1 row, 23 ms at 8 and 26 ms at 16
+ * (bench/results/skinny_products_2026-12-02.json, bench/results/prefetch_2026-12-02.json).
+ * x86-64 with AVX-512F: 1-16 rows; with AVX2 and FMA: 1-8 rows; elsewhere m = 1 goes to sgemv,
+ * which also streams W once, and larger m to sgemm.
  */
-#define SKINNY_MAX_ROWS 8
+#define SKINNY_MAX_ROWS 16
 /* Products smaller than this (multiply-adds) run on one thread: waking another costs more. */
 #define SKINNY_PARALLEL_MIN (1 << 16)
 
 static int skinny_threads = 1;  /* mlxspec_blas_set_threads(): as many as OpenBLAS's */
-static int skinny_available = 0; /* the CPU has AVX2 and FMA (set at load) */
-
-static int skinny_routing = 1;   /* mlxspec_blas_set_routing(0): every product to sgemm */
+static int skinny_rows = 0;     /* rows the kernel takes: 16 (AVX-512F), 8 (AVX2+FMA), 0 (none) */
+static int skinny_routing = 1;  /* mlxspec_blas_set_routing(0): every product to sgemm */
 
 void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
 int mlxspec_blas_threads(void) { return skinny_threads; }
 void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
 
-/* What this build does with skinny products: bit 0 routing on, bit 1 the kernel (AVX2 and FMA). */
-int mlxspec_blas_skinny_mode(void) { return skinny_routing | skinny_available << 1; }
+/* What this build does with skinny products: bit 0 routing on, bit 1 a kernel (AVX2 and FMA),
+ * bit 2 the AVX-512 kernel. */
+int mlxspec_blas_skinny_mode(void) {
+  return skinny_routing | (skinny_rows > 0) << 1 | (skinny_rows > 8) << 2;
+}
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -169,10 +179,12 @@ SKINNY_TARGET static inline float sum8(__m256 v) {
                                           float *c, int ldc) {                                 \
     for (int j = n0; j < n1; ++j) {                                                             \
       const float *bj = b + (size_t)j * ldb;                                                    \
+      const float *next = j + 1 < n1 ? bj + ldb : bj; /* the row of W after this one */         \
       __m256 acc[ROWS];                                                                         \
       _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_ps();      \
       int p = 0;                                                                                \
       for (; p + 8 <= k; p += 8) {                                                              \
+        if (!(p & 15)) _mm_prefetch((const char *)(next + p), _MM_HINT_T0); /* once a line */ \
         __m256 w = _mm256_loadu_ps(bj + p);                                                     \
         _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; ++i) acc[i] =                         \
             _mm256_fmadd_ps(_mm256_loadu_ps(a + (size_t)i * lda + p), w, acc[i]);              \
@@ -193,15 +205,101 @@ SKINNY_KERNEL(5)
 SKINNY_KERNEL(6)
 SKINNY_KERNEL(7)
 SKINNY_KERNEL(8)
+
+/* AVX-512: each output is one 16-lane accumulator over p ascending (the last k % 16 values
+ * through a masked load), reduced by _mm512_reduce_add_ps. A block computes C columns of c at
+ * once (up to 24 accumulators of the 32 registers), so x's loads serve C rows of W; the block
+ * width changes nothing in any output's sum. */
+#define SKINNY512_TARGET __attribute__((target("avx512f,avx2,fma")))
+
+#define SKINNY512_BLOCK(ROWS, C)                                                                \
+  SKINNY512_TARGET static inline void block512_##ROWS##_##C(                                   \
+      int j, int n1, int k, float alpha, const float *a, int lda, const float *b, int ldb,     \
+      float beta, float *c, int ldc) {                                                          \
+    const float *bj = b + (size_t)j * ldb, *ahead[C];                                           \
+    for (int q = 0; q < C; ++q) /* the next block's rows, else these again (never past n1) */  \
+      ahead[q] = bj + (size_t)(j + C + q < n1 ? C + q : q) * ldb;                               \
+    __m512 acc[C][ROWS], w[C];                                                                  \
+    _Pragma("GCC unroll 16") for (int q = 0; q < C; ++q)                                        \
+      _Pragma("GCC unroll 16") for (int i = 0; i < ROWS; ++i) acc[q][i] = _mm512_setzero_ps();  \
+    int p = 0;                                                                                  \
+    for (; p + 16 <= k; p += 16) {                                                              \
+      _Pragma("GCC unroll 16") for (int q = 0; q < C; ++q) {                                    \
+        _mm_prefetch((const char *)(ahead[q] + p), _MM_HINT_T0);                                \
+        w[q] = _mm512_loadu_ps(bj + (size_t)q * ldb + p);                                       \
+      }                                                                                         \
+      _Pragma("GCC unroll 16") for (int i = 0; i < ROWS; ++i) {                                 \
+        __m512 x = _mm512_loadu_ps(a + (size_t)i * lda + p);                                    \
+        _Pragma("GCC unroll 16") for (int q = 0; q < C; ++q)                                    \
+          acc[q][i] = _mm512_fmadd_ps(x, w[q], acc[q][i]);                                      \
+      }                                                                                         \
+    }                                                                                           \
+    if (p < k) {                                                                                \
+      __mmask16 tail = (__mmask16)((1u << (k - p)) - 1);                                        \
+      for (int q = 0; q < C; ++q) w[q] = _mm512_maskz_loadu_ps(tail, bj + (size_t)q * ldb + p); \
+      for (int i = 0; i < ROWS; ++i) {                                                          \
+        __m512 x = _mm512_maskz_loadu_ps(tail, a + (size_t)i * lda + p);                        \
+        for (int q = 0; q < C; ++q) acc[q][i] = _mm512_fmadd_ps(x, w[q], acc[q][i]);            \
+      }                                                                                         \
+    }                                                                                           \
+    for (int q = 0; q < C; ++q)                                                                 \
+      for (int i = 0; i < ROWS; ++i) {                                                          \
+        float sum = _mm512_reduce_add_ps(acc[q][i]), *out = c + (size_t)i * ldc + j + q;        \
+        *out = beta == 0.0f ? alpha * sum : alpha * sum + beta * *out;                          \
+      }                                                                                         \
+  }
+
+/* Blocks of COLS columns, then the last n % COLS one at a time. */
+#define SKINNY512_KERNEL(ROWS, COLS)                                                            \
+  SKINNY512_TARGET static void skinny512_##ROWS(int n0, int n1, int k, float alpha,            \
+                                                const float *a, int lda, const float *b,        \
+                                                int ldb, float beta, float *c, int ldc) {       \
+    int j = n0;                                                                                 \
+    for (; j + COLS <= n1; j += COLS)                                                           \
+      block512_##ROWS##_##COLS(j, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);                  \
+    for (; j < n1; ++j) block512_##ROWS##_1(j, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);     \
+  }
+/* COLS: as many columns as keep the accumulators (ROWS x COLS) in registers. */
+#define SKINNY512_WIDE(ROWS, COLS) \
+  SKINNY512_BLOCK(ROWS, 1) SKINNY512_BLOCK(ROWS, COLS) SKINNY512_KERNEL(ROWS, COLS)
+#define SKINNY512_NARROW(ROWS) SKINNY512_BLOCK(ROWS, 1) SKINNY512_KERNEL(ROWS, 1)
+SKINNY512_WIDE(1, 4)
+SKINNY512_WIDE(2, 4)
+SKINNY512_WIDE(3, 4)
+SKINNY512_WIDE(4, 4)
+SKINNY512_WIDE(5, 2)
+SKINNY512_WIDE(6, 2)
+SKINNY512_WIDE(7, 2)
+SKINNY512_WIDE(8, 2)
+SKINNY512_WIDE(9, 2)
+SKINNY512_WIDE(10, 2)
+SKINNY512_WIDE(11, 2)
+SKINNY512_WIDE(12, 2)
+SKINNY512_NARROW(13)
+SKINNY512_NARROW(14)
+SKINNY512_NARROW(15)
+SKINNY512_NARROW(16)
+
 typedef void (*skinny_kernel)(int, int, int, float, const float *, int, const float *, int, float,
                               float *, int);
-static const skinny_kernel skinny_kernels[SKINNY_MAX_ROWS + 1] = {
-    NULL, skinny_1, skinny_2, skinny_3, skinny_4, skinny_5, skinny_6, skinny_7, skinny_8};
+static const skinny_kernel skinny_avx2[9] = {NULL,     skinny_1, skinny_2, skinny_3, skinny_4,
+                                             skinny_5, skinny_6, skinny_7, skinny_8};
+static const skinny_kernel skinny_avx512[SKINNY_MAX_ROWS + 1] = {
+    NULL,          skinny512_1,  skinny512_2,  skinny512_3,  skinny512_4,  skinny512_5,
+    skinny512_6,   skinny512_7,  skinny512_8,  skinny512_9,  skinny512_10, skinny512_11,
+    skinny512_12,  skinny512_13, skinny512_14, skinny512_15, skinny512_16};
+static const skinny_kernel *skinny_kernels = skinny_avx2;
 
-static void skinny_detect(void) {
+/* The widest kernel the CPU runs, unless `isa` asks for AVX2 ("avx2": tests and benchmarks). */
+void mlxspec_blas_set_isa(const char *isa) {
   __builtin_cpu_init();
-  skinny_available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && !(isa && !strcmp(isa, "avx2"));
+  skinny_kernels = avx512 ? skinny_avx512 : skinny_avx2;
+  skinny_rows = avx512 ? 16 : avx2 ? 8 : 0;
 }
+
+static void skinny_detect(void) { mlxspec_blas_set_isa(NULL); }
 
 /*
  * The kernel's threads: a pool of its own rather than OpenMP's. libgomp gives every thread that
@@ -293,6 +391,7 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
   pthread_mutex_unlock(&pool.busy);
 }
 #else
+void mlxspec_blas_set_isa(const char *isa) { (void)isa; }
 static void skinny_detect(void) {}
 static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
@@ -319,7 +418,7 @@ void cblas_sgemm(cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, bla
                  blas_int ldb, float beta, float *c, blas_int ldc) {
   __atomic_add_fetch(&mlxspec_blas_calls, 1, __ATOMIC_RELAXED);
   int valid = skinny_routing && order == ROW_MAJOR && m > 0 && n > 0 && k > 0;
-  if (valid && skinny_available && m <= SKINNY_MAX_ROWS && ta == NO_TRANS && tb == TRANS) {
+  if (valid && m <= skinny_rows && ta == NO_TRANS && tb == TRANS) {
     __atomic_add_fetch(&mlxspec_blas_skinny_calls, 1, __ATOMIC_RELAXED);
     skinny_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else if (valid && m == 1) {

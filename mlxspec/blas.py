@@ -14,13 +14,13 @@ for Intel, AMD and ARM CPUs), which it opens privately. The shim is compiled onc
 C compiler into ``$MLXSPEC_HOME/blas/`` (cache keyed by its source and the CPU architecture).
 Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one warning.
 
-Decoding multiplies 1-8 rows of activations by each weight matrix. OpenBLAS's sgemm packs the
+Decoding multiplies a few rows of activations by each weight matrix. OpenBLAS's sgemm packs the
 whole weight matrix before such a product, reading and writing it twice to use it once, so the
-shim computes these skinny products itself (AVX2/FMA, on OpenBLAS's thread count; one row
-elsewhere goes to sgemv): a float32 SmolLM2 decode step ~1.6x faster, and a step over 8 rows (a
-batch, a speculative verification) costs ~1.7x one row instead of ~1.2x a slower one
-(``bench/results/skinny_products_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends every product
-to sgemm as before.
+shim computes these skinny products itself (on OpenBLAS's thread count; an AVX-512 kernel for
+1-16 rows, else AVX2/FMA for 1-8; one row elsewhere goes to sgemv), prefetching the next weight
+rows as it goes: a float32 SmolLM2 forward over 1 / 8 / 16 tokens costs 30 / 49 / 76 ms instead of
+61 / 79 / 101 with sgemm (``bench/results/prefetch_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends
+every product to sgemm, ``MLXSPEC_SKINNY=avx2`` keeps to the AVX2 kernel.
 
 ``MLXSPEC_BLAS`` chooses:
 
@@ -112,8 +112,11 @@ def setup() -> None:
         else:
             _activate(Path(requested).expanduser(), "", "custom")
         _shim.mlxspec_blas_set_threads(threads)  # the shim's own skinny-product kernel
-        if os.environ.get("MLXSPEC_SKINNY", "").strip().lower() in ("0", "off", "false", "no"):
+        skinny = os.environ.get("MLXSPEC_SKINNY", "").strip().lower()
+        if skinny in ("0", "off", "false", "no"):
             _shim.mlxspec_blas_set_routing(0)  # every product to the library's sgemm
+        elif skinny == "avx2":
+            _shim.mlxspec_blas_set_isa(b"avx2")  # the AVX2 kernel even where AVX-512 runs
     except _Unavailable as e:
         _notice(f"MLX's CPU backend stays on the slow reference BLAS: {e}")
     except Exception as e:  # a speed-up must never break `import mlxspec`
@@ -274,7 +277,7 @@ def forwarded_calls() -> int | None:
 
 
 def skinny_products() -> str | None:
-    """How the shim computes products of 1-8 rows (None when it is not active)."""
+    """How the shim computes products of a few rows (None when it is not active)."""
     if _shim is None:
         return None
     mode = _shim.mlxspec_blas_skinny_mode()
@@ -284,11 +287,12 @@ def skinny_products() -> str | None:
         return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
     count = _shim.mlxspec_blas_threads()
     threads = f"{count} thread{'s' * (count > 1)}"
-    return f"AVX2/FMA kernel for 1-8 rows, {threads}; other single rows to sgemv"
+    kernel = "AVX-512 kernel for 1-16 rows" if mode & 4 else "AVX2/FMA kernel for 1-8 rows"
+    return f"{kernel}, {threads}; other single rows to sgemv"
 
 
 def product_routes() -> dict[str, int] | None:
-    """How many float32 products the shim computed with its skinny kernel (1-8 rows times a
+    """How many float32 products the shim computed with its skinny kernel (1-16 rows times a
     transposed matrix) and sent to sgemv (one row or column); None when it is not active."""
     if _shim is None:
         return None

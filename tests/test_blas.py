@@ -236,10 +236,11 @@ def test_library_path_setting_forwards_to_that_library(tmp_path, home):
 
 # -- skinny products: the shim's own kernel and the sgemv route ------------------------------------
 
-# Every shape the shim treats specially, with the tails of its loops: 1-8 rows (the kernel's
-# instances), 9 rows (back to sgemm), k around its 8-wide steps, n around the threads' split, a
-# transposed and a strided operand, beta != 0, one column. Row i of a product with 8 rows must be
-# bitwise the same as that row alone (what batching and speculative verification rely on).
+# Every shape the shim treats specially, with the tails of its loops: 1-16 rows (the kernels'
+# instances: 1-8 with AVX2, 1-16 with AVX-512), 17 rows (back to sgemm), k around their 8- and
+# 16-wide steps, n around the threads' split and the column blocks, a transposed and a strided
+# operand, beta != 0, one column. Row i of a product with as many rows as the kernel takes must
+# be bitwise the same as that row alone (what batching and speculative verification rely on).
 SKINNY = r"""
 import json, sys
 import numpy as np
@@ -250,8 +251,8 @@ import mlx.core as mx
 rng = np.random.default_rng(0)
 normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 cases, arrays = {}, {}
-for m in range(1, 10):
-    for n, k in [(1, 5), (7, 1), (13, 9), (200, 8), (333, 577), (4099, 64)]:
+for m in range(1, 18):
+    for n, k in [(1, 5), (7, 1), (13, 9), (200, 8), (333, 577), (4099, 64), (6, 31)]:
         arrays[f"nt_{m}_{n}_{k}"] = (normal(m, k), normal(n, k))
         cases[f"nt_{m}_{n}_{k}"] = lambda a, b: a @ b.T
 for m in (1, 3):
@@ -268,24 +269,25 @@ cases["addmm"] = lambda a, b: mx.addmm(mx.ones((3, 40)), a, b.T, alpha=0.5, beta
 before = blas.product_routes()
 out = {name: np.array(cases[name](mx.array(a), mx.array(b))) for name, (a, b) in arrays.items()}
 routes = {key: value - before[key] for key, value in blas.product_routes().items()}
-a8, w = mx.array(normal(8, 577)), mx.array(normal(333, 577))
-batched = np.array(a8 @ w.T)
-alone = [np.array(a8[i : i + 1] @ w.T) for i in range(8)]
+rows = 16 if "AVX-512" in (blas.skinny_products() or "") else 8  # what the kernel takes
+a, w = mx.array(normal(rows, 577)), mx.array(normal(333, 577))
+batched = np.array(a @ w.T)
+alone = [np.array(a[i : i + 1] @ w.T) for i in range(rows)]
 # Two MLX streams multiply at once (two threads share the kernel's pool): the same numbers.
 other = mx.new_stream(mx.cpu)
-both = [mx.matmul(a8[: 1 + i % 8], w.T, stream=mx.cpu if i % 2 else other) for i in range(64)]
+both = [mx.matmul(a[: 1 + i % rows], w.T, stream=mx.cpu if i % 2 else other) for i in range(64)]
 mx.eval(both)
-concurrent_ok = all(np.array_equal(np.array(r), batched[: 1 + i % 8]) for i, r in enumerate(both))
+concurrent_ok = all(np.array_equal(np.array(r), batched[: 1 + i % rows]) for i, r in enumerate(both))
 np.savez(sys.argv[1], **{f"in_{k}_{j}": v for k, pair in arrays.items() for j, v in enumerate(pair)},
          **{f"out_{k}": v for k, v in out.items()})
 print(json.dumps({"routes": routes, "mode": blas.skinny_products(), "concurrent_ok": concurrent_ok,
                   "row_independent": all(np.array_equal(batched[i : i + 1], alone[i])
-                                         for i in range(8))}))
+                                         for i in range(rows))}))
 """
 
 
-@pytest.mark.parametrize("threads, skinny", [("1", "1"), ("2", "1"), ("2", "0")],
-                         ids=["1-thread", "2-threads", "off"])
+@pytest.mark.parametrize("threads, skinny", [("1", "1"), ("2", "1"), ("2", "avx2"), ("2", "0")],
+                         ids=["1-thread", "2-threads", "avx2", "off"])
 def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
     code = SKINNY.replace("sys.argv[1]", repr(str(tmp_path / "out.npz")))
     report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads, MLXSPEC_SKINNY=skinny)
@@ -310,11 +312,16 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
         assert report["routes"] == {"skinny": 0, "gemv": 0}
         assert report["mode"].startswith("off")
         return
-    # The routes were taken: the kernel where the CPU has AVX2 and FMA, sgemv for one row.
+    # The routes were taken: the widest kernel the CPU has (AVX-512, else AVX2 and FMA) unless
+    # MLXSPEC_SKINNY=avx2 asks for the narrower one, sgemv for one row.
     import platform
 
-    if platform.machine() == "x86_64" and "avx2" in Path("/proc/cpuinfo").read_text():
-        assert report["routes"]["skinny"] >= 8 * 6 + 2  # 1-8 rows x 6 shapes, strided, addmm
+    flags = Path("/proc/cpuinfo").read_text() if platform.machine() == "x86_64" else ""
+    if "avx512f" in flags and skinny != "avx2":
+        assert report["routes"]["skinny"] >= 16 * 7 + 2  # 1-16 rows x 7 shapes, strided, addmm
+        assert report["mode"].startswith(f"AVX-512 kernel for 1-16 rows, {threads} thread")
+    elif "avx2" in flags:
+        assert report["routes"]["skinny"] >= 8 * 7 + 2
         assert report["mode"].startswith(f"AVX2/FMA kernel for 1-8 rows, {threads} thread")
     assert report["routes"]["gemv"] >= 1  # x @ W with one row
     assert report["row_independent"] and report["concurrent_ok"]
