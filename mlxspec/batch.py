@@ -26,6 +26,7 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the throughput curve 
 KNEE = 0.9  # doubling the batch must raise the throughput by 1 / KNEE (11 %) to be worth it
 MEMORY_FRACTION = 0.6  # of the available memory, for weights + KV caches
 CURVE_SECONDS = 10.0  # time the throughput curve may take; larger sizes go unmeasured after it
+MIN_SHARED_PREFIX = 16  # tokens every prompt starts with: prefilled once for the whole job
 
 
 @dataclass
@@ -129,6 +130,17 @@ def choose_batch_size(
 # -- running a batch -----------------------------------------------------------------------------
 
 
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """The tokens every prompt starts with (a chat template and system prompt, few-shot
+    examples), if at least ``MIN_SHARED_PREFIX`` and two prompts share them; else empty."""
+    if len(prompts) < 2:
+        return []
+    first, length = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        length = next((i for i in range(length) if p[i] != first[i]), length)
+    return list(first[:length]) if length >= MIN_SHARED_PREFIX else []
+
+
 def iter_batch(
     engine: Engine,
     requests: Iterable[tuple[Any, Request | Exception]],
@@ -217,6 +229,7 @@ def batch_generate(
     draft = make_draft(model, tokenizer, draft_model=draft_model,
                        draft_tokenizer=draft_tokenizer, prompt_lookup=prompt_lookup)
     engine = Engine(model, tokenizer, max_batch=batch_size, draft=draft, prompt_cache_size=0)
+    engine.share_prefix(shared_prefix([r.prompt for r in requests]))
     results: list[BatchResult] = [BatchResult() for _ in requests]
     try:
         for index, result in iter_batch(engine, enumerate(requests), batch_size):

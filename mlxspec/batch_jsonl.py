@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.batch import choose_batch_size, iter_batch
+from mlxspec.batch import choose_batch_size, iter_batch, shared_prefix
 from mlxspec.chat import chat_prompt
 from mlxspec.engine import Engine, Request
 from mlxspec.generate import encode_prompt
@@ -142,6 +142,7 @@ def run_jsonl(
     batch_size = batch_size or 1
     engine = Engine(model, tokenizer, max_batch=batch_size, draft=draft,
                     num_draft_tokens=num_draft_tokens, prompt_cache_size=0)
+    engine.share_prefix(shared_prefix([r.prompt for r in runnable]))
     budgets = {key: r.max_tokens for key, r in jobs if isinstance(r, Request)}
     expected = sum(budgets.values())
     ok = errors = tokens = 0

@@ -18,11 +18,14 @@ single-stream run; sampling: the token drawn but not yet emitted is discarded, t
 afresh from the same distribution).
 
 Prefix reuse: finished streams leave their KV cache in mlx-lm's ``LRUPromptCache``; a new request
-starts from the longest cached prefix of its prompt.
+starts from the longest cached prefix of its prompt. ``share_prefix`` prefills a prefix known to
+be shared (a batch job's chat template and system prompt, few-shot examples) once, for every
+request that starts with it.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 import warnings
@@ -31,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import TextStateMachine
+from mlx_lm.generate import TextStateMachine, generation_stream
 from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -137,8 +140,24 @@ class Engine:
         self._plain_since_loss = 0
         self.tokens_generated = 0
         self.peak_streams = 0  # the most streams active at once (a statistic)
+        self._shared: tuple[list[int], list[Any]] | None = None  # share_prefix's tokens, cache
 
     # -- requests joining and leaving ----------------------------------------------------------
+
+    def share_prefix(self, tokens: list[int]) -> None:
+        """Prefill ``tokens`` once and keep their KV cache: a request whose prompt starts with
+        them starts from a copy and prefills only the rest (unless a cached conversation shares
+        more of it). Replaces any earlier shared prefix; an empty one drops it."""
+        if not tokens:
+            self._shared = None
+            return
+        cache = make_cache(self.model)
+        step = self.batch.prefill_step
+        with mx.stream(generation_stream):
+            for start in range(0, len(tokens), step):
+                self.model(mx.array(tokens[start : start + step])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+        self._shared = (list(tokens), cache)
 
     def submit(self, request: Request) -> int:
         """Queue a request; it joins the batch at the next step. Returns its id."""
@@ -159,11 +178,16 @@ class Engine:
         cache, rest = None, list(request.prompt)
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(id(self.model), rest)
-            if cache is not None and not rest:  # all cached: feed the last prompt token again
-                if trim_cache(cache, 1):
-                    rest = request.prompt[-1:]
-                else:  # a cache that cannot step back (a wrapped window): prefill afresh
-                    cache, rest = None, list(request.prompt)
+        if self._shared is not None:
+            shared, shared_cache = self._shared
+            longer = len(request.prompt) - len(rest) < len(shared)
+            if longer and request.prompt[: len(shared)] == shared:
+                cache, rest = copy.deepcopy(shared_cache), request.prompt[len(shared) :]
+        if cache is not None and not rest:  # all cached: feed the last prompt token again
+            if trim_cache(cache, 1):
+                rest = request.prompt[-1:]
+            else:  # a cache that cannot step back (a wrapped window): prefill afresh
+                cache, rest = None, list(request.prompt)
         stream.cached_tokens = len(request.prompt) - len(rest)
         self.streams[stream.rid] = stream
         self.peak_streams = max(self.peak_streams, len(self.streams))

@@ -7,9 +7,16 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from mlxspec.batch import batch_generate, choose_batch_size, kv_bytes_per_token
+from mlxspec.batch import (
+    MIN_SHARED_PREFIX,
+    batch_generate,
+    choose_batch_size,
+    kv_bytes_per_token,
+    shared_prefix,
+)
 from mlxspec.batch_jsonl import run_jsonl
 from mlxspec.benchmark import model_bytes
+from mlxspec.engine import Engine, Request
 from mlxspec.generate import generate
 
 PROMPTS = [
@@ -45,6 +52,46 @@ def test_stop_string_ends_a_batched_sequence(smollm2, one_by_one):
                                stop=[stop], batch_size=2)
     assert result.finish_reason == "stop"
     assert result.text == one_by_one[1][: one_by_one[1].index(stop)]
+
+
+def test_shared_prefix_is_the_longest_one_all_prompts_start_with():
+    long = list(range(100, 100 + MIN_SHARED_PREFIX))
+    assert shared_prefix([long + [1, 2], long + [1, 3], long + [1]]) == long + [1]
+    assert shared_prefix([long + [1], long]) == long  # one prompt is the prefix itself
+    assert shared_prefix([long + [1]]) == []  # one prompt: nothing to share
+    assert shared_prefix([long[:-1] + [7], long[:-1] + [8]]) == []  # too short to be worth it
+    assert shared_prefix([[5] + long, long]) == []
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True)
+
+
+def test_a_shared_prefix_is_prefilled_once_and_changes_no_token(smollm2):
+    """Chat prompts share their template and system prompt: the engine prefills it once and
+    each request only its rest, with plain one-by-one decoding's output (the prompt equal to the
+    prefix included: its last token is fed again; a prompt not starting with it reuses nothing)."""
+    model, tokenizer = smollm2
+    prompts = [_chat(tokenizer, p) for p in PROMPTS[:3]]
+    prefix = shared_prefix(prompts)
+    assert len(prefix) >= MIN_SHARED_PREFIX and prompts[0][len(prefix)] != prompts[1][len(prefix)]
+    prompts += [prefix, tokenizer.encode(PROMPTS[3])]
+    reference = [generate(model, tokenizer, p, max_tokens=MAX_TOKENS) for p in prompts]
+    engine = Engine(model, tokenizer, max_batch=3, prompt_cache_size=0)
+    engine.share_prefix(prefix)
+    rids = [engine.submit(Request(p, max_tokens=MAX_TOKENS)) for p in prompts]
+    texts, cached = {rid: "" for rid in rids}, {}
+    while engine.streams:
+        for event in engine.step():
+            texts[event.rid] += event.text
+            cached[event.rid] = event.cached_tokens
+    engine.close()
+    assert [texts[rid] for rid in rids] == reference
+    assert [cached[rid] for rid in rids] == [len(prefix)] * 3 + [len(prefix) - 1, 0]
+    # batch_generate finds the prefix itself and gives the same texts.
+    results = batch_generate(model, tokenizer, prompts, max_tokens=MAX_TOKENS, batch_size=2)
+    assert [r.text for r in results] == reference
 
 
 def _lines(path):
