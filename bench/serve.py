@@ -15,7 +15,8 @@ Sections (JSON on stdout, one object):
   (last token time - first token time) / (tokens - 1)); medians over the rounds.
 - ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
 - ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
-  (``mlxspec.generate``; a subset, as a rate).
+  (``mlxspec.generate``; a subset, as a rate), as plain text and as chat messages (the chat
+  template's shared prefix prefilled once).
 - ``shortcut``: ``mlxspec.batch_generate`` with the batch's greedy shortcut on and off in turns
   (``mlxspec.engine_batch.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
 - ``load``: many clients for a bounded time against ``mlxspec serve``: mixed streaming and
@@ -376,14 +377,27 @@ def ceiling(args) -> dict:
 
 
 def batch(args) -> dict:
+    """Both kinds of job: the prompts as plain text (nothing shared but a BOS token) and as chat
+    messages through the model's chat template, as ``mlxspec batch`` runs ``messages`` lines
+    (the template and system prompt shared: ``Engine.share_prefix`` prefills them once)."""
     import mlxspec
-    from mlxspec.batch import choose_batch_size
-    from mlxspec.generate import stream_generate
 
     model, tokenizer = mlxspec.load(args.model)
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.batch_prompts)]
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.batch_prompts)]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                           add_generation_prompt=True) for t in texts]
+    return {"text": _batch_job(args, model, tokenizer, texts),
+            "chat": _batch_job(args, model, tokenizer, chats)}
+
+
+def _batch_job(args, model, tokenizer, prompts: list) -> dict:
+    import mlxspec
+    from mlxspec.batch import choose_batch_size, shared_prefix
+    from mlxspec.generate import encode_prompt, stream_generate
+
+    tokens = [encode_prompt(tokenizer, p).tolist() for p in prompts]
     tic = time.perf_counter()
-    longest = max(len(tokenizer.encode(p)) for p in prompts) + args.max_tokens
+    longest = max(len(t) for t in tokens) + args.max_tokens
     size, sizing = choose_batch_size(model, tokens_per_sequence=longest, num_prompts=len(prompts))
     sizing_s = time.perf_counter() - tic
     results = mlxspec.batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens,
@@ -397,7 +411,8 @@ def batch(args) -> dict:
         single_tokens += last.generation_tokens
     single_s = time.perf_counter() - tic
     batched_rate, single_rate = batched_tokens / batched_s, single_tokens / single_s
-    return {"prompts": len(prompts), "batched_tokens": batched_tokens,
+    return {"prompts": len(prompts), "prompt_tokens": sum(map(len, tokens)),
+            "shared_prefix_tokens": len(shared_prefix(tokens)), "batched_tokens": batched_tokens,
             "batched_seconds": round(batched_s, 2), "batched_tokens_per_s": round(batched_rate, 2),
             "one_by_one_prompts": len(subset), "one_by_one_tokens_per_s": round(single_rate, 2),
             "speedup": round(batched_rate / single_rate, 2), "batch_size": size,
