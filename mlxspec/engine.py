@@ -155,6 +155,7 @@ class Engine:
         step = self.batch.prefill_step
         with mx.stream(generation_stream):
             for start in range(0, len(tokens), step):
+                # Only the caches are evaluated: the logits (lazy) are never computed.
                 self.model(mx.array(tokens[start : start + step])[None], cache=cache)
                 mx.eval([c.state for c in cache])
         self._shared = (list(tokens), cache)
