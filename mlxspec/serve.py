@@ -29,6 +29,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from mlxspec.batch import shared_prefix
+from mlxspec.chat import chat_prompt
 from mlxspec.engine import Engine, Event
 from mlxspec.engine_thread import POLL_SECONDS, EngineThread, Ticket
 from mlxspec.openai_api import (
@@ -59,11 +61,15 @@ class Server:
         limits: request limits.
         allowed_origins: web origins whose pages may call the server (CORS; ``"*"``: any).
             None by default: a page the user visits cannot use a local model behind their back.
+
+    The engine's shared prefix becomes the start every chat prompt has (``chat_template_prefix``):
+    prefilled once, so no request prefills it again, not even the first ones of a burst.
     """
 
     def __init__(self, engine: Engine, *, model_id: str, host: str = "127.0.0.1",
                  port: int = 8080, api_key: str | None = None, limits: Limits | None = None,
                  allowed_origins: tuple[str, ...] = ()):
+        engine.share_prefix(chat_template_prefix(engine.tokenizer))
         self.engine_thread = EngineThread(engine)
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
@@ -126,6 +132,16 @@ class Server:
         ok = self.engine_thread.is_alive() and not self.draining
         return {"status": "ok" if ok else "unavailable", "open_requests": self._open,
                 "active_streams": len(engine.streams), "speculating": engine.speculating}
+
+
+def chat_template_prefix(tokenizer: Any) -> list[int]:
+    """The tokens every chat prompt of this model starts with (its template's opening and any
+    default system prompt), if long enough to be worth sharing (``mlxspec.batch.shared_prefix``);
+    empty without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    return shared_prefix([chat_prompt(tokenizer, [{"role": "user", "content": text}])
+                          for text in ("Hello.", "What is 2 + 2?")])
 
 
 class _HTTPServer(ThreadingHTTPServer):

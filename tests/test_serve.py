@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai", reason="the openai client is in the dev e
 from mlxspec.engine import Engine, Request, make_draft  # noqa: E402
 from mlxspec.generate import stream_generate  # noqa: E402
 from mlxspec.openai_api import Limits  # noqa: E402
-from mlxspec.serve import Server  # noqa: E402
+from mlxspec.serve import Server, chat_template_prefix  # noqa: E402
 
 API_KEY = "test-key"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -215,6 +215,26 @@ def test_seeded_sampling_is_reproducible(client):
         return r.choices[0].message.content
 
     assert ask() == ask()
+
+
+def test_the_chat_template_prefix_is_prefilled_once_for_every_request(smollm2):
+    """A fresh server shares its chat template's fixed start: even the first request, with
+    nothing cached yet, prefills only what follows it, and answers as plain decoding does."""
+    model, tokenizer = smollm2
+    prefix = chat_template_prefix(tokenizer)
+    assert tokenizer.decode(prefix).startswith("<|im_start|>system\n")
+    assert tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    engine = Engine(model, tokenizer, max_batch=2)
+    srv = Server(engine, model_id="smollm2", port=0).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6)
+    finally:
+        srv.drain(timeout=5)
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert ids[: len(prefix)] == prefix
+    assert r.usage.prompt_tokens_details.cached_tokens == len(prefix)
+    assert r.choices[0].message.content == reference(model, tokenizer, ids, 6)[0]
 
 
 def test_prefix_of_an_earlier_request_is_reused(smollm2, client):
