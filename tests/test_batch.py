@@ -94,6 +94,19 @@ def test_a_shared_prefix_is_prefilled_once_and_changes_no_token(smollm2):
     assert [r.text for r in results] == reference
 
 
+def test_a_shared_prefix_longer_than_a_sliding_window(gemma3):
+    """Gemma-3's sliding-window layers keep only their last 512 positions: a shared prefix
+    longer than that leaves wrapped caches, and each copy must still continue exactly as the
+    whole prompt prefilled alone would (plain one-by-one decoding's texts)."""
+    model, tokenizer = gemma3
+    examples = "Examples: " + " ".join(f"item{i} = {i * 7 % 13};" for i in range(100))
+    prompts = [tokenizer.encode(f"{examples} Now item{i} =") for i in (3, 41, 97)]
+    assert len(shared_prefix(prompts)) > 600
+    reference = [generate(model, tokenizer, p, max_tokens=MAX_TOKENS) for p in prompts]
+    results = batch_generate(model, tokenizer, prompts, max_tokens=MAX_TOKENS, batch_size=2)
+    assert [r.text for r in results] == reference
+
+
 def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
