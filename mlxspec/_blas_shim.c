@@ -136,10 +136,12 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
  * Memory: the hardware prefetcher alone kept a product over 8 rows at about half the bandwidth
  * of a product over one row (the FMAs between the weights' loads leave few cache misses in
  * flight), so the kernel prefetches the next block of W's rows while it works on this one.
- * On 2 x86 vCPUs (Sapphire Rapids), SmolLM2's 211 float32 products per token, from memory:
- * sgemm 57-65 ms at 1 row and 64-74 ms at 8; the AVX2 kernel without the prefetch 22-23 ms and
- * 42-46 ms; with it (AVX-512) 17 ms at 1 row, 23 ms at 8 and 26 ms at 16
- * (bench/results/skinny_products_2026-12-02.json, bench/results/prefetch_2026-12-02.json).
+ * SmolLM2's 211 float32 products per token, from memory, on 2 x86 vCPUs: an AMD EPYC (AVX2),
+ * sgemm 57-65 ms at 1 row and 64-74 ms at 8, the AVX2 kernel without the prefetch 22-23 ms and
+ * 42-46 ms (bench/results/skinny_products_2026-12-02.json); an Intel Sapphire Rapids, the AVX2
+ * kernel 20-25 ms and 35-41 ms without the prefetch, 19-20 ms and 24 ms with it, the AVX-512
+ * kernel with it 17 ms at 1 row, 23 ms at 8 and 26 ms at 16
+ * (bench/results/prefetch_2026-12-02.json).
  * x86-64 with AVX-512F: 1-16 rows; with AVX2 and FMA: 1-8 rows; elsewhere m = 1 goes to sgemv,
  * which also streams W once, and larger m to sgemm.
  */
@@ -299,7 +301,6 @@ void mlxspec_blas_set_isa(const char *isa) {
   skinny_rows = avx512 ? 16 : avx2 ? 8 : 0;
 }
 
-static void skinny_detect(void) { mlxspec_blas_set_isa(NULL); }
 
 /*
  * The kernel's threads: a pool of its own rather than OpenMP's. libgomp gives every thread that
@@ -392,7 +393,6 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
 }
 #else
 void mlxspec_blas_set_isa(const char *isa) { (void)isa; }
-static void skinny_detect(void) {}
 static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
   (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta,
@@ -476,7 +476,7 @@ const char *mlxspec_blas_load(const char *library, const char *prefix) {
     }
   }
   for (size_t i = 0; i < N_LOADED; ++i) *loaded[i].target = found[i];
-  skinny_detect();
+  mlxspec_blas_set_isa(NULL); /* the widest kernel this CPU runs */
   return NULL;
 }
 
