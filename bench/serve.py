@@ -12,7 +12,8 @@ Sections (JSON on stdout, one object):
   mlxspec's BLAS set-up) taking turns at each concurrency, each client sending requests back to
   back: the aggregate tokens/s inside a steady window (``--warmup`` s after the start, for
   ``--seconds``), p50/p99 time to first token and p50/p99 inter-token latency (per request:
-  (last token time - first token time) / (tokens - 1)); medians over the rounds.
+  (last token time - first token time) / (tokens - 1)); medians over the rounds, each round
+  running every concurrency (the scaling: the median of each round's own N-clients / 1-client).
 - ``speculation``: one client, an editing prompt, ``mlxspec serve`` plain vs ``--prompt-lookup``.
 - ``batch``: ``mlxspec.batch_generate`` on N prompts vs the same prompts one by one
   (``mlxspec.generate``; a subset, as a rate), as plain text and as chat messages (the chat
@@ -115,6 +116,30 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux), None where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(proc: subprocess.Popen, timeout: float = 60.0) -> float:
+    """Wait until a server stops computing (under 5 % of a core over half a second): a server
+    still decoding for clients that went away would slow the next run, whichever server it is.
+    Returns the seconds waited."""
+    tic = time.perf_counter()
+    last = cpu_seconds(proc.pid)
+    while last is not None and time.perf_counter() - tic < timeout:
+        time.sleep(0.5)
+        now = cpu_seconds(proc.pid)
+        if now is None or now - last < 0.025:
+            break
+        last = now
+    return round(time.perf_counter() - tic, 2)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -283,41 +308,52 @@ def steady_run(port: int, clients: int, seconds: float, warmup: float, max_token
 
 
 def serving(args) -> dict:
-    """Both servers up at once (an idle one costs nothing); at each concurrency they take turns,
-    ``--rounds`` times in alternating order, and the medians are reported: on a shared machine
-    the load drifts, and turns spread it evenly over both."""
+    """Both servers up at once (an idle one costs nothing); each of the ``--rounds`` rounds runs
+    every concurrency once, the servers taking turns (in alternating order) at each, and the
+    medians over the rounds are reported. On a shared machine the speed drifts by tens of percent
+    within minutes: measured this way, the numbers compared (one server against the other, N
+    clients against one) always come from neighbouring windows, and the scaling is the median of
+    each round's own ratio (``mlxspec_scaling_vs_1_client``, per round in ``..._rounds``).
+    After each run the next waits until the server that ran is idle (``settle_s``): one that
+    keeps decoding for the clients cut off at the window's end would slow the other's run."""
     kinds = ("mlxspec", "mlx_lm")
     ports = {kind: free_port() for kind in kinds}
     procs = {}
+    runs = {(kind, clients): [] for kind in kinds for clients in args.clients}
     try:
         for kind in kinds:
             procs[kind] = start_server(kind, args.model, ports[kind], [])
             stream_request(ports[kind], chat_body("Hi", 4))  # warm-up
-        out = {kind: [] for kind in kinds}
-        for clients in args.clients:
-            runs = {kind: [] for kind in kinds}
-            for r in range(args.rounds):
+        for r in range(args.rounds):
+            for clients in args.clients:
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    runs[kind].append(steady_run(ports[kind], clients, args.seconds,
-                                                 args.warmup, args.max_tokens, PROMPTS))
-            for kind in kinds:
-                out[kind].append(_median_run(runs[kind]))
+                    run = steady_run(ports[kind], clients, args.seconds, args.warmup,
+                                     args.max_tokens, PROMPTS)
+                    run["settle_s"] = wait_idle(procs[kind])  # its cut-off requests drained
+                    runs[kind, clients].append(run)
     finally:
         for proc in procs.values():
             stop_server(proc)
+    out = {kind: [_median_run(runs[kind, c]) for c in args.clients] for kind in kinds}
     for a, b in zip(out["mlxspec"], out["mlx_lm"], strict=True):
         a["vs_mlx_lm"] = round(a["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3)
-    base = out["mlxspec"][0]["tokens_per_s"]
-    out["mlxspec_scaling_vs_1_client"] = {
-        str(r["clients"]): round(r["tokens_per_s"] / max(base, 1e-9), 2) for r in out["mlxspec"]}
+    base = args.clients[0]
+    per_round = {str(c): [round(x["tokens_per_s"] / max(y["tokens_per_s"], 1e-9), 2)
+                          for x, y in zip(runs["mlxspec", c], runs["mlxspec", base], strict=True)]
+                 for c in args.clients}
+    out[f"mlxspec_scaling_vs_{base}_client_rounds"] = per_round
+    out[f"mlxspec_scaling_vs_{base}_client"] = {
+        c: round(statistics.median(v), 2) for c, v in per_round.items()}
     return out
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The median of each number over the rounds (counts summed), load averages listed."""
+    """The median of each number over the rounds (counts summed), load averages and the seconds
+    the server took to go idle after each round listed."""
     out = {"clients": runs[0]["clients"], "rounds": len(runs),
            "requests": sum(r["requests"] for r in runs), "failed": sum(r["failed"] for r in runs),
-           "loadavg": [r["loadavg"] for r in runs]}
+           "loadavg": [r["loadavg"] for r in runs],
+           "settle_s": [r.get("settle_s") for r in runs]}
     for key in ("tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
         values = [r[key] for r in runs if r[key] is not None]
         out[key] = round(statistics.median(values), 4) if values else None
