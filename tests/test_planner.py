@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from mlxspec.speculative.planner import K_MAX, DraftLengthPlanner
+from mlxspec.speculative.planner import K_MAX, DraftLengthPlanner, PassCosts
 
 TOKENS = 2000
 
@@ -153,3 +153,30 @@ def test_a_weak_but_cheap_drafter_is_not_judged_hopeless_on_a_few_misses():
     for _ in range(6):
         planner.observe(2, 2, 0, 0.0, 0.0103, 1)
     assert not planner._hopeless()
+
+
+def test_a_drafters_next_generation_starts_from_what_the_last_one_measured():
+    """Costs and the acceptance outlive a generation (the drafter's ``pass_costs``): the next
+    answer of a chat or a server's lone stream drafts at once, at the length that paid, instead
+    of measuring plain decoding and ramping up from the prior again."""
+    costs = PassCosts()
+    first = DraftLengthPlanner("auto", draft_step=0.0, costs=costs)
+    first.observe_prefill(64, 0.2)
+    ks = []
+    for _ in range(30):  # a drafter right every time, passes costing 10 ms + 1 ms a draft
+        k = first.choose(1000)
+        ks.append(k)
+        if k == 0:
+            first.observe(0, 0, 0, 0.0, 0.010, 0)
+        else:
+            first.observe(k, k, k, 0.0, 0.010 + 0.001 * k, 1)
+    assert ks[0] == 0  # a fresh planner measures plain decoding first
+    assert costs.acceptance > 0.9
+
+    fresh = DraftLengthPlanner("auto", draft_step=0.0)
+    fresh.observe_prefill(64, 0.2)
+    again = DraftLengthPlanner("auto", draft_step=0.0, costs=costs)
+    again.observe_prefill(64, 0.2)
+    assert fresh.choose(1000) == 0
+    k = again.choose(1000)
+    assert k >= max(ks[-5:]) - 2 and k > 4, (k, ks)

@@ -35,6 +35,7 @@ from mlxspec.sampling import (
     processed_logprobs,
     sample,
 )
+from mlxspec.speculative.planner import PassCosts
 
 # (tokens drafted so far (i,) uint32, logits (1, vocab)) -> logits after the target's logits
 # processors with the history continued by the drafted tokens (see loop.py).
@@ -90,6 +91,7 @@ class Drafter:
     def __init__(self) -> None:
         self.prefix: list[int] = []
         self.context: list[int] = []  # every token the target conditions on, the last included
+        self.pass_costs = PassCosts()  # the auto-k planner's measurements, kept across generations
 
     def begin(self, context: Sequence[int]) -> None:
         """Start a generation on ``context`` (O(len) once; keeps what is shared with before)."""

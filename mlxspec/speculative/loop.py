@@ -190,7 +190,8 @@ def speculative_generate_step(
     prefix = draft.prefix if len(draft.prefix) == cache_offset(prompt_cache) else []
     draft.begin([*prefix, *prompt.tolist()])
     stats.one_off_seconds = time.perf_counter() - tic
-    planner = DraftLengthPlanner(num_draft_tokens, draft.step_seconds, draft.catch_up_seconds)
+    planner = DraftLengthPlanner(num_draft_tokens, draft.step_seconds, draft.catch_up_seconds,
+                                 draft.pass_costs)
 
     with mx.stream(generation_stream):
         tic = time.perf_counter()

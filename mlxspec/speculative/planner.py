@@ -27,6 +27,7 @@ and the retry waits).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 K_MAX = 16  # longest draft "auto" considers
 WINDOW = 8  # recent measurements behind each cost estimate
@@ -62,6 +63,23 @@ def lower_median(values) -> float | None:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+@dataclass
+class PassCosts:
+    """What one generation's planner measured, for the next generations of the same drafter and
+    target (a chat, a server's lone streams): seconds per drafted token, per caught-up token and
+    per pass by drafts verified (the same machine and model: no need to measure them again),
+    and the acceptance rate the generation ended with (the next one's prior: a workload's drafts
+    tend to fare alike). A short answer has only a few passes, and learning both afresh took
+    several of them: ``mlxspec serve --prompt-lookup``'s lone stream on ~25-token edits of its
+    prompt went from 50-51 to 51-55 tokens/s with them kept (SmolLM2, 2 CPU cores, alternating
+    runs; a fixed k = 7 still made 66-72 there: auto-k ramps up within each answer)."""
+
+    draft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    verify: dict[int, deque[float]] = field(default_factory=dict)
+    acceptance: float = PRIOR_ACCEPTANCE
+
+
 class DraftLengthPlanner:
     """Chooses k for each pass of one generation (see the module docstring).
 
@@ -69,6 +87,8 @@ class DraftLengthPlanner:
         num_draft_tokens: a fixed k, or ``"auto"``.
         draft_step, catch_up_step: the drafter's own estimates (priors) of seconds per drafted
             token and per context token it catches up on, if any.
+        costs: earlier generations' measurements to go on from (updated in place; the
+            drafter's ``pass_costs``), or None to start afresh.
     """
 
     def __init__(
@@ -76,14 +96,16 @@ class DraftLengthPlanner:
         num_draft_tokens: int | str = "auto",
         draft_step: float | None = None,
         catch_up_step: float | None = None,
+        costs: PassCosts | None = None,
     ):
         self.fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
-        self.accepted = PRIOR_ACCEPTANCE * PRIOR_WEIGHT  # decayed kept drafts
-        self.rejected = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT  # decayed passes ending in a rejection
+        self.costs = costs = PassCosts() if costs is None else costs
+        self.accepted = costs.acceptance * PRIOR_WEIGHT  # decayed kept drafts
+        self.rejected = (1 - costs.acceptance) * PRIOR_WEIGHT  # decayed passes ending in a rejection
         self.draft_prior, self.catch_up_prior = draft_step, catch_up_step
-        self.draft_costs: deque[float] = deque(maxlen=WINDOW)  # seconds per drafted token
-        self.catch_up_costs: deque[float] = deque(maxlen=WINDOW)  # seconds per caught-up token
-        self.verify_costs: dict[int, deque[float]] = {}  # drafts verified -> seconds per pass
+        self.draft_costs = costs.draft  # seconds per drafted token
+        self.catch_up_costs = costs.catch_up  # seconds per caught-up token
+        self.verify_costs = costs.verify  # drafts verified -> seconds per pass
         self.prior_slope: float | None = None  # seconds per extra token in a pass (prefill)
         self.passes = 0  # passes observed (the first is a warm-up, not timed)
         self.speculative_passes = 0
@@ -112,6 +134,7 @@ class DraftLengthPlanner:
             self.speculative_passes += 1
             self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
             self.rejected = ACCEPTANCE_MEMORY * self.rejected + (accepted < drafted)
+            self.costs.acceptance = self.acceptance
             self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)
