@@ -301,7 +301,6 @@ void mlxspec_blas_set_isa(const char *isa) {
   skinny_rows = avx512 ? 16 : avx2 ? 8 : 0;
 }
 
-
 /*
  * The kernel's threads: a pool of its own rather than OpenMP's. libgomp gives every thread that
  * starts a parallel region a team of its own, and MLX multiplies on two threads (the default
