@@ -4,7 +4,8 @@ Each BLAS choice runs in its own subprocess (the choice is made before ``mlx.cor
 ``MLXSPEC_BLAS=reference``, the default (OpenBLAS on the cores not already busy, see
 ``mlxspec.blas.default_threads``, with the shim's own kernel for products of 1-16 rows), the same
 with every product sent to OpenBLAS's sgemm (``MLXSPEC_SKINNY=0``), with the shim's AVX2 kernel
-(1-8 rows) where the CPU has AVX-512 (``MLXSPEC_SKINNY=avx2``), and OpenBLAS on every core.
+where the CPU has AVX-512 (``MLXSPEC_SKINNY=avx2``), with products of 9 rows and more sent to
+sgemm (``MLXSPEC_SKINNY_ROWS=8``), and OpenBLAS on every core.
 ``--repeats N`` takes the columns in turns N times and reports medians. Measured in each (with
 the 1-minute load average, since other processes on the machine skew every timing):
 
@@ -13,7 +14,7 @@ the 1-minute load average, since other processes on the machine skew every timin
 - one 576x1536 layer (SmolLM2-135M's MLP) at M=1..8 tokens: float32 (BLAS), bfloat16 and
   4/8-bit ``quantized_matmul`` (neither uses BLAS), microseconds per layer;
 - a model in float32 (quantized layers are de-quantized, since only float32 uses BLAS): prefill
-  tok/s, decode tok/s through mlx-lm's ``generate_step``, the cost of one forward over M=1..16
+  tok/s, decode tok/s through mlx-lm's ``generate_step``, the cost of one forward over M=1..32
   new tokens (what a speculative verify step or a short prefill pays; a batch step over M rows
   multiplies the same shapes), and decode bandwidth (weight bytes x tok/s).
 
@@ -58,6 +59,7 @@ COLUMNS = (
     ("openblas", {}),
     ("openblas_sgemm_only", {"MLXSPEC_SKINNY": "0"}),  # without the shim's skinny products
     ("openblas_avx2_kernel", {"MLXSPEC_SKINNY": "avx2"}),  # its AVX2 kernel where AVX-512 runs
+    ("openblas_kernel_8_rows", {"MLXSPEC_SKINNY_ROWS": "8"}),  # 9 rows and more to sgemm
     ("openblas_all_cores", {"OPENBLAS_NUM_THREADS": str(len(os.sched_getaffinity(0)))}),
 )
 
@@ -165,9 +167,9 @@ def measure_model(model, vocab_size: int, prompt_tokens: int, decode_tokens: int
     decode_tps = (len(times) - 1) / (times[-1] - times[0])
 
     cache = prefill()
-    new_tokens = mx.random.randint(0, vocab_size, (1, 16))
+    new_tokens = mx.random.randint(0, vocab_size, (1, 32))
     forward_ms = {}
-    for m in (1, 2, 4, 8, 12, 16):
+    for m in (1, 2, 4, 8, 12, 16, 24, 32):
         samples = []
         for _ in range(6):
             start = time.perf_counter()

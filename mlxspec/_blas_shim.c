@@ -142,20 +142,28 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
  * kernel 20-25 ms and 35-41 ms without the prefetch, 19-20 ms and 24 ms with it, the AVX-512
  * kernel with it 17 ms at 1 row, 23 ms at 8 and 26 ms at 16
  * (bench/results/prefetch_2026-12-02.json).
- * x86-64 with AVX-512F: 1-16 rows; with AVX2 and FMA: 1-8 rows; elsewhere m = 1 goes to sgemv,
- * which also streams W once, and larger m to sgemm.
+ * x86-64 with AVX-512F: 16 rows at once, with AVX2 and FMA: 8, and up to SKINNY_GROUPED_ROWS in
+ * groups of those; elsewhere m = 1 goes to sgemv, which also streams W once, and larger m to sgemm.
  */
 #define SKINNY_MAX_ROWS 16
+/* Products of more rows than a kernel instance takes, up to this many, run the kernel over groups
+ * of rows (skinny_grouped); more go to sgemm. SmolLM2's 211 products on the AMD EPYC (AVX2, 2
+ * vCPUs), grouped against sgemm: 9 rows 47 against 80 ms, 12 rows 47 / 87, 16 rows 56 / 72,
+ * 24 rows 85-90 / 95-99, 32 rows 119 / 107 (the groups are compute-bound, sgemm packs once). */
+#define SKINNY_GROUPED_ROWS 24
 /* Products smaller than this (multiply-adds) run on one thread: waking another costs more. */
 #define SKINNY_PARALLEL_MIN (1 << 16)
 
 static int skinny_threads = 1;  /* mlxspec_blas_set_threads(): as many as OpenBLAS's */
 static int skinny_rows = 0;     /* rows the kernel takes: 16 (AVX-512F), 8 (AVX2+FMA), 0 (none) */
 static int skinny_routing = 1;  /* mlxspec_blas_set_routing(0): every product to sgemm */
+static int skinny_max_rows = SKINNY_GROUPED_ROWS; /* mlxspec_blas_set_max_rows (benchmarks) */
 
 void mlxspec_blas_set_threads(int threads) { skinny_threads = threads > 0 ? threads : 1; }
 int mlxspec_blas_threads(void) { return skinny_threads; }
 void mlxspec_blas_set_routing(int on) { skinny_routing = on; }
+void mlxspec_blas_set_max_rows(int rows) { skinny_max_rows = rows; }
+int mlxspec_blas_max_rows(void) { return skinny_max_rows; }
 
 /* What this build does with skinny products: bit 0 routing on, bit 1 a kernel (AVX2 and FMA),
  * bit 2 the AVX-512 kernel. */
@@ -292,6 +300,30 @@ static const skinny_kernel skinny_avx512[SKINNY_MAX_ROWS + 1] = {
     skinny512_12,  skinny512_13, skinny512_14, skinny512_15, skinny512_16};
 static const skinny_kernel *skinny_kernels = skinny_avx2;
 
+/* More rows than one kernel instance takes (a prefill chunk, a batch of 9-64 streams): the rows
+ * in groups of `skinny_rows`, every group over one block of W's rows before the next block, so
+ * W comes from memory once and from cache for the other groups (sgemm would pack it first).
+ * SKINNY_BLOCK_BYTES of W a block: with the rows of x it stays in a 512 KB L2. Each output is
+ * still the one kernel's sum, so a row's result does not depend on how many rows it is with. */
+#define SKINNY_BLOCK_BYTES (128 * 1024)
+static void skinny_grouped(int m, int n0, int n1, int k, float alpha, const float *a, int lda,
+                           const float *b, int ldb, float beta, float *c, int ldc) {
+  if (m <= skinny_rows) {
+    skinny_kernels[m](n0, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  int block = SKINNY_BLOCK_BYTES / (int)(k * sizeof(float));
+  block = block < 4 ? 4 : block;
+  for (int j = n0; j < n1; j += block) {
+    int j1 = j + block < n1 ? j + block : n1;
+    for (int i = 0; i < m; i += skinny_rows) {
+      int rows = m - i < skinny_rows ? m - i : skinny_rows;
+      skinny_kernels[rows](j, j1, k, alpha, a + (size_t)i * lda, lda, b, ldb, beta,
+                           c + (size_t)i * ldc, ldc);
+    }
+  }
+}
+
 /* The widest kernel the CPU runs, unless `isa` asks for AVX2 ("avx2": tests and benchmarks). */
 void mlxspec_blas_set_isa(const char *isa) {
   __builtin_cpu_init();
@@ -307,11 +339,15 @@ void mlxspec_blas_set_isa(const char *isa) {
  * stream's and mlx-lm's generation stream's): once both had teams, libgomp counted more threads
  * than cores and stopped spinning, and every product paid for waking its team (decode back at
  * sgemm's speed). One pool serves every caller here, one product at a time (a caller finding it
- * busy computes alone). Its workers spin briefly for the next product (decoding issues one every
- * ~0.1-0.3 ms), then sleep on a condition variable.
+ * busy computes alone). Its workers spin for the next product only for a few microseconds (the
+ * projections of one layer follow each other that closely), then sleep on a condition variable:
+ * a worker spinning through the ~0.1-0.3 ms between products holds a core that MLX's evaluation
+ * thread and Python's graph building need (2 cores, 3 busy threads). AMD EPYC, 2 vCPUs, the
+ * engine in-process, runs alternating: spinning up to 1 ms, 8 streams 88.6 tok/s and one 18.4;
+ * up to 10 us, 105.5 and 21.6; not at all, 106.3 and 21.2.
  */
 #define POOL_MAX_THREADS 64
-#define POOL_SPIN_CYCLES 2000000ULL /* ~1 ms at 2 GHz of spinning before a worker sleeps */
+#define POOL_SPIN_CYCLES 20000ULL /* ~10 us at 2 GHz of spinning before a worker sleeps */
 
 static struct {
   pthread_mutex_t busy;   /* held by the caller whose product the pool is computing */
@@ -336,8 +372,8 @@ static void pool_part(int t) {
   int chunk = ((pool.n + pool.parts - 1) / pool.parts + 7) & ~7;
   int n0 = t * chunk, n1 = n0 + chunk < pool.n ? n0 + chunk : pool.n;
   if (n0 < n1)
-    skinny_kernels[pool.m](n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
-                           pool.beta, pool.c, pool.ldc);
+    skinny_grouped(pool.m, n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
+                   pool.beta, pool.c, pool.ldc);
 }
 
 static void *pool_worker(void *arg) {
@@ -367,7 +403,7 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
   int threads = skinny_threads < POOL_MAX_THREADS ? skinny_threads : POOL_MAX_THREADS;
   if (threads < 2 || (size_t)m * n * k < SKINNY_PARALLEL_MIN ||
       pthread_mutex_trylock(&pool.busy) != 0) {
-    skinny_kernels[m](0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    skinny_grouped(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   while (pool.workers < threads - 1) { /* started on first use, kept for the process */
@@ -417,7 +453,7 @@ void cblas_sgemm(cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, bla
                  blas_int ldb, float beta, float *c, blas_int ldc) {
   __atomic_add_fetch(&mlxspec_blas_calls, 1, __ATOMIC_RELAXED);
   int valid = skinny_routing && order == ROW_MAJOR && m > 0 && n > 0 && k > 0;
-  if (valid && m <= skinny_rows && ta == NO_TRANS && tb == TRANS) {
+  if (valid && m <= (skinny_rows ? skinny_max_rows : 0) && ta == NO_TRANS && tb == TRANS) {
     __atomic_add_fetch(&mlxspec_blas_skinny_calls, 1, __ATOMIC_RELAXED);
     skinny_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else if (valid && m == 1) {

@@ -16,11 +16,13 @@ Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one
 
 Decoding multiplies a few rows of activations by each weight matrix. OpenBLAS's sgemm packs the
 whole weight matrix before such a product, reading and writing it twice to use it once, so the
-shim computes these skinny products itself (on OpenBLAS's thread count; an AVX-512 kernel for
-1-16 rows, else AVX2/FMA for 1-8; one row elsewhere goes to sgemv), prefetching the next weight
-rows as it goes: a float32 SmolLM2 forward over 1 / 8 / 16 tokens costs 30 / 49 / 76 ms instead of
-61 / 79 / 101 with sgemm (``bench/results/prefetch_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends
-every product to sgemm, ``MLXSPEC_SKINNY=avx2`` keeps to the AVX2 kernel.
+shim computes these skinny products itself (on OpenBLAS's thread count; an AVX-512 kernel taking
+16 rows at once, else AVX2/FMA taking 8, and products of up to 24 rows in groups of those over each
+cached block of weights; one row elsewhere goes to sgemv), prefetching the next weight rows as it
+goes: a float32 SmolLM2 forward over 1 / 8 / 16 tokens costs 30 / 49 / 76 ms instead of 61 / 79 /
+101 with sgemm (``bench/results/prefetch_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends every
+product to sgemm, ``MLXSPEC_SKINNY=avx2`` keeps to the AVX2 kernel, ``MLXSPEC_SKINNY_ROWS=N``
+sends products of more than N rows to sgemm (benchmarks).
 
 ``MLXSPEC_BLAS`` chooses:
 
@@ -117,6 +119,9 @@ def setup() -> None:
             _shim.mlxspec_blas_set_routing(0)  # every product to the library's sgemm
         elif skinny == "avx2":
             _shim.mlxspec_blas_set_isa(b"avx2")  # the AVX2 kernel even where AVX-512 runs
+        rows = os.environ.get("MLXSPEC_SKINNY_ROWS", "").strip()
+        if rows.isdigit():  # products of at most this many rows to the kernel (benchmarks)
+            _shim.mlxspec_blas_set_max_rows(int(rows))
     except _Unavailable as e:
         _notice(f"MLX's CPU backend stays on the slow reference BLAS: {e}")
     except Exception as e:  # a speed-up must never break `import mlxspec`
@@ -287,8 +292,9 @@ def skinny_products() -> str | None:
         return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
     count = _shim.mlxspec_blas_threads()
     threads = f"{count} thread{'s' * (count > 1)}"
-    kernel = "AVX-512 kernel for 1-16 rows" if mode & 4 else "AVX2/FMA kernel for 1-8 rows"
-    return f"{kernel}, {threads}; other single rows to sgemv"
+    kernel = "AVX-512 kernel (16 rows at once)" if mode & 4 else "AVX2/FMA kernel (8 rows at once)"
+    rows = _shim.mlxspec_blas_max_rows()
+    return f"{kernel} for 1-{rows} rows, {threads}; other single rows to sgemv"
 
 
 def product_routes() -> dict[str, int] | None:

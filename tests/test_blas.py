@@ -236,11 +236,12 @@ def test_library_path_setting_forwards_to_that_library(tmp_path, home):
 
 # -- skinny products: the shim's own kernel and the sgemv route ------------------------------------
 
-# Every shape the shim treats specially, with the tails of its loops: 1-16 rows (the kernels'
-# instances: 1-8 with AVX2, 1-16 with AVX-512), 17 rows (back to sgemm), k around their 8- and
-# 16-wide steps, n around the threads' split and the column blocks, a transposed and a strided
-# operand, beta != 0, one column. Row i of a product with as many rows as the kernel takes must
-# be bitwise the same as that row alone (what batching and speculative verification rely on).
+# Every shape the shim treats specially, with the tails of its loops: 1-24 rows (the kernels'
+# instances: 1-8 with AVX2, 1-16 with AVX-512, then groups of those), 25 rows (back to sgemm), k
+# around their 8- and 16-wide steps, n around the threads' split and the column and row blocks
+# (4099 x 64: several blocks of W), a transposed and a strided operand, beta != 0, one column.
+# Row i of a product of up to 24 rows must be bitwise the same as that row alone (what batching
+# and speculative verification rely on). MLXSPEC_SKINNY_ROWS=8: 9 rows and more to sgemm.
 SKINNY = r"""
 import json, sys
 import numpy as np
@@ -251,7 +252,7 @@ import mlx.core as mx
 rng = np.random.default_rng(0)
 normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 cases, arrays = {}, {}
-for m in range(1, 18):
+for m in range(1, 26):
     for n, k in [(1, 5), (7, 1), (13, 9), (200, 8), (333, 577), (4099, 64), (6, 31)]:
         arrays[f"nt_{m}_{n}_{k}"] = (normal(m, k), normal(n, k))
         cases[f"nt_{m}_{n}_{k}"] = lambda a, b: a @ b.T
@@ -269,7 +270,7 @@ cases["addmm"] = lambda a, b: mx.addmm(mx.ones((3, 40)), a, b.T, alpha=0.5, beta
 before = blas.product_routes()
 out = {name: np.array(cases[name](mx.array(a), mx.array(b))) for name, (a, b) in arrays.items()}
 routes = {key: value - before[key] for key, value in blas.product_routes().items()}
-rows = 16 if "AVX-512" in (blas.skinny_products() or "") else 8  # what the kernel takes
+rows = blas._shim.mlxspec_blas_max_rows()  # 24, or MLXSPEC_SKINNY_ROWS=8
 a, w = mx.array(normal(rows, 577)), mx.array(normal(333, 577))
 batched = np.array(a @ w.T)
 alone = [np.array(a[i : i + 1] @ w.T) for i in range(rows)]
@@ -286,11 +287,13 @@ print(json.dumps({"routes": routes, "mode": blas.skinny_products(), "concurrent_
 """
 
 
-@pytest.mark.parametrize("threads, skinny", [("1", "1"), ("2", "1"), ("2", "avx2"), ("2", "0")],
-                         ids=["1-thread", "2-threads", "avx2", "off"])
+@pytest.mark.parametrize("threads, skinny",
+                         [("1", "1"), ("2", "1"), ("2", "avx2"), ("2", "rows:8"), ("2", "0")],
+                         ids=["1-thread", "2-threads", "avx2", "8-rows", "off"])
 def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
     code = SKINNY.replace("sys.argv[1]", repr(str(tmp_path / "out.npz")))
-    report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads, MLXSPEC_SKINNY=skinny)
+    env = {"MLXSPEC_SKINNY_ROWS": "8"} if skinny == "rows:8" else {"MLXSPEC_SKINNY": skinny}
+    report = run_with_blas(code, None, home, OPENBLAS_NUM_THREADS=threads, **env)
     saved = np.load(tmp_path / "out.npz")
     names = sorted(k[4:] for k in saved.files if k.startswith("out_"))
     for name in names:
@@ -317,12 +320,11 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
     import platform
 
     flags = Path("/proc/cpuinfo").read_text() if platform.machine() == "x86_64" else ""
-    if "avx512f" in flags and skinny != "avx2":
-        assert report["routes"]["skinny"] >= 16 * 7 + 2  # 1-16 rows x 7 shapes, strided, addmm
-        assert report["mode"].startswith(f"AVX-512 kernel for 1-16 rows, {threads} thread")
-    elif "avx2" in flags:
-        assert report["routes"]["skinny"] >= 8 * 7 + 2
-        assert report["mode"].startswith(f"AVX2/FMA kernel for 1-8 rows, {threads} thread")
+    rows = 8 if skinny == "rows:8" else 24
+    if "avx2" in flags:  # 1-24 (or 1-8) rows x 7 shapes, the strided product and addmm
+        assert report["routes"]["skinny"] == rows * 7 + 2
+        kernel = "AVX-512 kernel (16" if "avx512f" in flags and skinny != "avx2" else "AVX2/FMA kernel (8"
+        assert report["mode"].startswith(f"{kernel} rows at once) for 1-{rows} rows, {threads} thread")
     assert report["routes"]["gemv"] >= 1  # x @ W with one row
     assert report["row_independent"] and report["concurrent_ok"]
 

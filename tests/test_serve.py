@@ -188,6 +188,52 @@ def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, mo
                      c: reference(model, tokenizer, prompt_c, 5)[0]}
 
 
+@pytest.mark.parametrize("penalty", [None, 1.3], ids=["greedy", "repetition-penalty"])
+def test_a_prompt_cached_whole_joins_in_the_next_step(smollm2, monkeypatch, penalty):
+    """A prompt the prefix cache holds whole (a repeated prompt; likewise a stream back from
+    speculation) has one token left to feed: it joins the running row in its next batched step
+    instead of a forward of its own, and its tokens and log-probabilities are plain decoding's
+    (a logits processor sees the whole prompt)."""
+    model, tokenizer = smollm2
+    prompt_a, prompt_b = (tokenizer.encode(p) for p in PROMPTS[:2])
+    engine = Engine(model, tokenizer)
+    engine.submit(Request(prompt_a, max_tokens=6))
+    while engine.streams:  # A's conversation goes to the prefix cache
+        engine.step()
+    b = engine.submit(Request(prompt_b, max_tokens=16))
+    texts = {b: ""}
+    for _ in range(3):
+        texts[b] += "".join(e.text for e in engine.step())
+    forwards = []
+    model_call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__",
+                        lambda self, x, *args, **kw: forwards.append(x.shape)
+                        or model_call(self, x, *args, **kw))
+    again = engine.submit(Request(prompt_a, max_tokens=6, logprobs=True,
+                                  repetition_penalty=penalty))
+    texts[again], tokens, steps, first_step, cached = "", [], 0, None, None
+    while engine.streams:
+        steps += 1
+        for event in engine.step():
+            texts[event.rid] += event.text
+            if event.rid == again:
+                first_step, cached = first_step or steps, event.cached_tokens
+                tokens.append((event.token, event.logprob))
+    monkeypatch.undo()
+    assert cached == len(prompt_a) - 1
+    # B's step, then two batched steps (A's prompt token, A's first token): no forward of A's own
+    assert first_step == 3 and forwards[:3] == [(1, 1), (2, 1), (2, 1)]
+    assert all(shape[1] == 1 for shape in forwards)
+    plain = list(stream_generate(model, tokenizer, prompt_a, max_tokens=6,
+                                 repetition_penalty=penalty))
+    assert texts[again] == "".join(r.text for r in plain)
+    assert [t for t, _ in tokens if t not in tokenizer.eos_token_ids] == [
+        r.token for r in plain if r.token not in tokenizer.eos_token_ids]
+    for (token, logprob), r in zip(tokens, plain, strict=False):
+        assert logprob == pytest.approx(r.logprobs[token].item(), abs=1e-4)
+    assert texts[b] == reference(model, tokenizer, prompt_b, 16)[0]
+
+
 def test_prefix_cache_holds_only_what_it_counts(smollm2):
     """Memory stays bounded: finished streams' caches in the LRU do not pin the batch's KV."""
     import mlx.core as mx
