@@ -191,3 +191,46 @@ def test_a_row_leaving_after_rows_joined_leaves_the_others_tokens(smollm2, one_b
     while engine.streams:
         step()
     assert {rid: texts[rid] for rid in kept} == {rid: one_by_one[i] for rid, i in kept.items()}
+
+
+@pytest.mark.parametrize("flagged", [False, True], ids=["shortcut", "all-flagged"])
+def test_joining_rows_take_the_slots_of_rows_that_left(smollm2, monkeypatch, flagged):
+    """A finished row stays in the batch's caches, retired, and the next row to join is written
+    into its slot instead of the caches being copied; a prompt longer than the batch's caches
+    compacts them first. Every request's text is plain decoding's, whatever slot it decoded in
+    and whatever decoded there before (all-flagged: every step's tokens settled, slots too)."""
+    model, tokenizer = smollm2
+    if flagged:
+        monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+    placed, compacted = [], []
+    place, compact = engine_batch._Rows._place, engine_batch._Rows._compact
+    monkeypatch.setattr(engine_batch._Rows, "_place", lambda self, slots, batch: (
+        placed.append(list(slots)), place(self, slots, batch))[1])
+    monkeypatch.setattr(engine_batch._Rows, "_compact", lambda self, keep: (
+        compacted.append(len(keep)), compact(self, keep))[1])
+    long_prompt = " ".join(f"item{i}," for i in range(40))
+    queue = [(PROMPTS[i % 4], n) for i, n in enumerate([3, 9, 5, 12, 4, 7, 10, 6, 8, 5])]
+    queue.insert(7, (long_prompt, 4))
+    expected = {}
+    engine = Engine(model, tokenizer, max_batch=8, prompt_cache_size=0)
+    texts: dict[int, str] = {}
+
+    def submit() -> None:
+        prompt, max_tokens = queue.pop(0)
+        rid = engine.submit(Request(prompt=tokenizer.encode(prompt), max_tokens=max_tokens))
+        expected[rid], texts[rid] = generate(model, tokenizer, prompt, max_tokens=max_tokens), ""
+
+    for _ in range(5):
+        submit()
+    finished, later = 0, []  # every other finish: its successor comes after one more step
+    while engine.streams or later:
+        for _ in range(min(later.count(0), len(queue))):
+            submit()
+        later = [n - 1 for n in later if n > 0]
+        for event in engine.step():
+            texts[event.rid] += event.text
+            if event.finish_reason is not None:
+                finished += 1
+                later.append(finished % 2)
+    assert texts == expected
+    assert placed and compacted  # slots were taken, and the long prompt compacted the batch
