@@ -267,7 +267,11 @@ class _Rows(GenerationBatch):
     def _retire(self, i: int) -> None:
         self.uids[i] = RETIRED
         self.tokens[i] = []
-        self.samplers[i] = greedy_sampler
+        # Another row's sampler: the batch keeps sampling all rows in one call (and greedy
+        # rows keep the shortcut) whatever the retired row sampled with.
+        others = (s for j, (s, uid) in enumerate(zip(self.samplers, self.uids, strict=True))
+                  if j != i and uid != RETIRED)
+        self.samplers[i] = next(others, greedy_sampler)
         self.logits_processors[i] = ()
         self.max_tokens[i] = sys.maxsize
         self.stop_sequences[i] = _NEVER
