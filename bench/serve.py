@@ -19,7 +19,7 @@ Sections (JSON on stdout, one object):
   (``mlxspec.generate``; a subset, as a rate), as plain text and as chat messages (the chat
   template's shared prefix prefilled once).
 - ``shortcut``: ``mlxspec.batch_generate`` with the batch's greedy shortcut on and off in turns
-  (``mlxspec.engine_batch.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
+  (``mlxspec.engine_rows.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
 - ``load``: many clients for a bounded time against ``mlxspec serve``: mixed streaming and
   non-streaming, some disconnecting early, some malformed; checks that every answer to the same
   greedy prompt is the same text (no mixed-up responses), that the server survives, and samples
@@ -457,9 +457,9 @@ def _batch_job(args, model, tokenizer, prompts: list) -> dict:
 
 def shortcut(args) -> dict:
     """``mlxspec.batch_generate`` with the batch's greedy shortcut on and off, in turns, at a
-    fixed batch size (``mlxspec.engine_batch.GREEDY_SHORTCUT``); the texts must be the same."""
+    fixed batch size (``mlxspec.engine_rows.GREEDY_SHORTCUT``); the texts must be the same."""
     import mlxspec
-    import mlxspec.engine_batch as engine_batch
+    import mlxspec.engine_rows as engine_rows
 
     model, tokenizer = mlxspec.load(args.model)
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.shortcut_prompts)]
@@ -468,7 +468,7 @@ def shortcut(args) -> dict:
     try:
         for _ in range(args.rounds):
             for variant in ("on", "off"):
-                engine_batch.GREEDY_SHORTCUT = variant == "on"
+                engine_rows.GREEDY_SHORTCUT = variant == "on"
                 tic = time.perf_counter()
                 results = mlxspec.batch_generate(model, tokenizer, prompts,
                                                  max_tokens=args.max_tokens,
@@ -477,7 +477,7 @@ def shortcut(args) -> dict:
                 rates[variant].append(round(sum(r.completion_tokens for r in results) / seconds, 2))
                 texts[variant] = [r.text for r in results]
     finally:
-        engine_batch.GREEDY_SHORTCUT = True
+        engine_rows.GREEDY_SHORTCUT = True
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     return {"prompts": len(prompts), "batch_size": len(prompts), "tokens_per_s": rates,
             "speedup": round(on / off, 3), "same_texts": texts["on"] == texts["off"],

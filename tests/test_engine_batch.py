@@ -1,4 +1,4 @@
-"""The batch's greedy shortcut (`mlxspec.engine_batch`): the argmax of the raw logits is used only
+"""The batch's greedy shortcut (`mlxspec.engine_rows`): the argmax of the raw logits is used only
 where it is the argmax of the log-probabilities (mlx-lm's greedy step); near-ties are normalized."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import mlxspec.engine_batch as engine_batch
+import mlxspec.engine_rows as engine_rows
 from mlxspec.batch import batch_generate
 from mlxspec.engine import Engine
-from mlxspec.engine_batch import greedy_candidates, greedy_tokens
 from mlxspec.engine_requests import Request
+from mlxspec.engine_rows import greedy_candidates, greedy_tokens
 from mlxspec.generate import generate
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at"]
@@ -77,8 +78,8 @@ def one_by_one(smollm2):
 def test_batch_takes_the_shortcut_and_matches_plain_decoding(smollm2, one_by_one, monkeypatch):
     model, tokenizer = smollm2
     calls = []
-    original = engine_batch.greedy_candidates
-    monkeypatch.setattr(engine_batch, "greedy_candidates",
+    original = engine_rows.greedy_candidates
+    monkeypatch.setattr(engine_rows, "greedy_candidates",
                         lambda logits: calls.append(logits.shape) or original(logits))
     results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
     assert [r.text for r in results] == one_by_one
@@ -103,7 +104,7 @@ def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_o
         trim = BatchKVCache.trim
         monkeypatch.setattr(BatchKVCache, "trim", lambda self, n: trims.append(n) or trim(self, n))
 
-    monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+    monkeypatch.setattr(engine_rows, "greedy_candidates", wrong_and_flagged)
     results = batch_generate(model, tokenizer, PROMPTS, max_tokens=MAX_TOKENS, batch_size=3)
     assert [r.text for r in results] == one_by_one
     assert bool(trims) == rewind
@@ -112,7 +113,7 @@ def test_every_flagged_row_is_settled_before_its_token_is_used(smollm2, one_by_o
 def test_rows_reporting_logprobs_are_normalized(smollm2, monkeypatch):
     model, tokenizer = smollm2
     calls = []
-    monkeypatch.setattr(engine_batch, "greedy_candidates",
+    monkeypatch.setattr(engine_rows, "greedy_candidates",
                         lambda logits: calls.append(1) or pytest.fail("shortcut with logprobs"))
     engine = Engine(model, tokenizer, max_batch=4, prompt_cache_size=0)
     rids = [engine.submit(Request(prompt=tokenizer.encode(p), max_tokens=4, logprobs=True))
@@ -171,7 +172,7 @@ def test_a_row_leaving_after_rows_joined_leaves_the_others_tokens(smollm2, one_b
     text (the check must be cut to the rows it covers, not indexed past them)."""
     model, tokenizer = smollm2
     if flagged:
-        monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+        monkeypatch.setattr(engine_rows, "greedy_candidates", wrong_and_flagged)
     engine = Engine(model, tokenizer, max_batch=8, prompt_cache_size=0)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     texts: dict[int, str] = {}
@@ -201,12 +202,12 @@ def test_joining_rows_take_the_slots_of_rows_that_left(smollm2, monkeypatch, fla
     and whatever decoded there before (all-flagged: every step's tokens settled, slots too)."""
     model, tokenizer = smollm2
     if flagged:
-        monkeypatch.setattr(engine_batch, "greedy_candidates", wrong_and_flagged)
+        monkeypatch.setattr(engine_rows, "greedy_candidates", wrong_and_flagged)
     placed, compacted = [], []
-    place, compact = engine_batch._Rows._place, engine_batch._Rows._compact
-    monkeypatch.setattr(engine_batch._Rows, "_place", lambda self, slots, batch: (
+    place, compact = engine_rows.BatchRows._place, engine_rows.BatchRows._compact
+    monkeypatch.setattr(engine_rows.BatchRows, "_place", lambda self, slots, batch: (
         placed.append(list(slots)), place(self, slots, batch))[1])
-    monkeypatch.setattr(engine_batch._Rows, "_compact", lambda self, keep: (
+    monkeypatch.setattr(engine_rows.BatchRows, "_compact", lambda self, keep: (
         compacted.append(len(keep)), compact(self, keep))[1])
     long_prompt = " ".join(f"item{i}," for i in range(40))
     queue = [(PROMPTS[i % 4], n) for i, n in enumerate([3, 9, 5, 12, 4, 7, 10, 6, 8, 5])]
