@@ -38,6 +38,16 @@ def reference(model, tokenizer, prompt, max_tokens):
     return "".join(r.text for r in responses), len(tokens)
 
 
+def record_forwards(model, monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes of the model's forwards from now on (until monkeypatch.undo())."""
+    forwards = []
+    model_call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__",
+                        lambda self, x, *args, **kw: forwards.append(x.shape)
+                        or model_call(self, x, *args, **kw))
+    return forwards
+
+
 @pytest.fixture(scope="module")
 def server(smollm2):
     model, tokenizer = smollm2
@@ -163,11 +173,7 @@ def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, mo
     texts = {a: ""}
     for _ in range(3):
         texts[a] += "".join(e.text for e in engine.step())
-    forwards = []
-    model_call = type(model).__call__
-    monkeypatch.setattr(type(model), "__call__",
-                        lambda self, x, *args, **kw: forwards.append(x.shape)
-                        or model_call(self, x, *args, **kw))
+    forwards = record_forwards(model, monkeypatch)
     b = engine.submit(Request(prompt_b, max_tokens=4))
     c = engine.submit(Request(prompt_c, max_tokens=5))
     texts[b], texts[c], steps, started = "", "", 0, set()
@@ -204,11 +210,7 @@ def test_a_prompt_cached_whole_joins_in_the_next_step(smollm2, monkeypatch, pena
     texts = {b: ""}
     for _ in range(3):
         texts[b] += "".join(e.text for e in engine.step())
-    forwards = []
-    model_call = type(model).__call__
-    monkeypatch.setattr(type(model), "__call__",
-                        lambda self, x, *args, **kw: forwards.append(x.shape)
-                        or model_call(self, x, *args, **kw))
+    forwards = record_forwards(model, monkeypatch)
     again = engine.submit(Request(prompt_a, max_tokens=6, logprobs=True,
                                   repetition_penalty=penalty))
     texts[again], tokens, steps, first_step, cached = "", [], 0, None, None
