@@ -61,6 +61,14 @@ def greedy_tokens(logits: mx.array, top: mx.array, near: mx.array) -> mx.array:
     return mx.array(tokens, dtype=top.dtype)
 
 
+def _plain_batch_caches(caches: list) -> bool:
+    """Whether rows can be written in place into ``caches``: every layer a plain ``BatchKVCache``
+    (no sliding window) holding keys, with no prefill padding pending."""
+    return bool(caches) and all(
+        type(c) is BatchKVCache and c.keys is not None and c._right_padding is None
+        for c in caches)
+
+
 class BatchRows(GenerationBatch):
     """mlx-lm's ``GenerationBatch`` with the greedy shortcut of the module docstring.
 
@@ -154,13 +162,10 @@ class BatchRows(GenerationBatch):
         super().extend(batch)
 
     def _slots_writable(self) -> bool:
-        return bool(self.prompt_cache) and all(
-            type(c) is BatchKVCache and c.keys is not None and c._right_padding is None
-            for c in self.prompt_cache)
+        return _plain_batch_caches(self.prompt_cache)
 
     def _fits(self, batch: GenerationBatch) -> bool:
-        if not (self._slots_writable() and all(type(c) is BatchKVCache and c.keys is not None
-                                               for c in batch.prompt_cache)):
+        if not (self._slots_writable() and _plain_batch_caches(batch.prompt_cache)):
             return False
         mine, theirs = self.prompt_cache[0], batch.prompt_cache[0]
         return theirs._idx - min(theirs.left_padding.tolist()) <= mine._idx

@@ -233,5 +233,7 @@ def test_joining_rows_take_the_slots_of_rows_that_left(smollm2, monkeypatch, fla
             if event.finish_reason is not None:
                 finished += 1
                 later.append(finished % 2)
+        for c in engine.batch.rows.prompt_cache:  # grown in KV_STEP positions, not mlx-lm's 256
+            assert c.step == engine_batch.KV_STEP != 256
     assert texts == expected
     assert placed and compacted  # slots were taken, and the long prompt compacted the batch
