@@ -84,8 +84,9 @@ def free_port() -> int:
 
 
 def start_server(kind: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    if kind == "mlx_lm":  # same BLAS as mlxspec: import mlxspec first
-        code = ("import sys, mlxspec; from mlx_lm.server import main; "
+    if kind == "mlx_lm":  # same back-end as mlxspec: its BLAS set-up and fused CPU ops
+        code = ("import sys, mlxspec; from mlxspec import fused_ops; fused_ops.enable(); "
+                "from mlx_lm.server import main; "
                 "sys.argv = ['mlx_lm.server'] + sys.argv[1:]; main()")
         cmd = [sys.executable, "-c", code, "--model", model, "--port", str(port),
                "--log-level", "WARNING", *extra]

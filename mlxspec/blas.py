@@ -56,6 +56,8 @@ SHIM_SOURCE = Path(__file__).with_name("_blas_shim.c")
 OPENBLAS_PACKAGE = "scipy-openblas32"
 OPENBLAS_PREFIX = "scipy_"  # scipy-openblas32 exports scipy_cblas_sgemm, scipy_sgeev_, ...
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+# /proc/loadavg snapshots, 1 ms apart, whose fewest busy cores sizes the threads
+SNAPSHOTS = 3
 
 
 @dataclass
@@ -157,14 +159,22 @@ def busy_cores_elsewhere() -> float:
     tasks the kernel counts (``/proc/loadavg``, field 4, "running/total") minus this process's
     own running threads; the 1-minute load average where /proc is missing (that one lags).
 
-    One snapshot costs ~0.1 ms; the CPU-time difference it replaces had to sleep 50 ms on every
-    ``import mlxspec``. A snapshot misses processes that run in short bursts, but those are not
+    The fewest of ``SNAPSHOTS`` snapshots 1 ms apart (~2 ms in all; the CPU-time difference
+    this replaced had to sleep 50 ms on every ``import mlxspec``): a process that keeps a core
+    busy shows in every one, a process that merely starts or exits at that moment (the previous
+    command of a script) in one, and one snapshot alone gave 1 thread instead of 2 in ~1 of 12
+    imports on an idle host. Processes that run in short bursts are missed, but those are not
     the ones that stall OpenBLAS's spinning workers for long.
     """
     try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-        return float(max(0, running - _own_running_threads()))
+        busy = []
+        for i in range(SNAPSHOTS):
+            if i:
+                time.sleep(0.001)
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+            busy.append(max(0, running - _own_running_threads()))
+        return float(min(busy))
     except (OSError, ValueError, IndexError):
         try:
             return os.getloadavg()[0]

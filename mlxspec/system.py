@@ -16,7 +16,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
     """
     import mlx.core as mx
 
-    from mlxspec import __version__, blas
+    from mlxspec import __version__, blas, fused_ops
     from mlxspec.load import default_model_path
 
     report: dict[str, Any] = {
@@ -27,6 +27,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         "device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),
         "blas": blas.blas_report(measure=measure),
+        "fused_ops": fused_ops.describe(),
     }
     try:
         from mlxspec.quant import kernels, layers

@@ -194,3 +194,4 @@ def test_system_report_is_the_library_side_of_doctor():
     assert report["mlxspec"] and report["blas"]["active"] in (
         "openblas", "custom", "preloaded", "reference", "accelerate")
     assert "matmul_gflops" not in report["blas"]
+    assert report["fused_ops"].startswith("compiled")  # CPU-only MLX here
