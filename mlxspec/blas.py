@@ -69,6 +69,7 @@ class BlasState:
     library: str | None = None  # the optimized library MLX's calls end up in
     shim: str | None = None  # the compiled forwarding library
     notice: str | None = None  # why MLX stays on the reference BLAS, when it does
+    auto_threads: bool = False  # threads sized from the idle cores (no thread variable set)
 
 
 _state: BlasState | None = None
@@ -111,8 +112,8 @@ def setup() -> None:
             library = _openblas_library()
             _activate(library, OPENBLAS_PREFIX, "openblas")
             if not any(variable in os.environ for variable in THREAD_VARIABLES):
-                openblas = ctypes.CDLL(str(library), mode=os.RTLD_LOCAL)  # the shim's handle
-                openblas.scipy_openblas_set_num_threads(threads)
+                _set_openblas_threads(threads)
+                _state.auto_threads = True
         else:
             _activate(Path(requested).expanduser(), "", "custom")
         _shim.mlxspec_blas_set_threads(threads)  # the shim's own skinny-product kernel
@@ -128,6 +129,31 @@ def setup() -> None:
         _notice(f"MLX's CPU backend stays on the slow reference BLAS: {e}")
     except Exception as e:  # a speed-up must never break `import mlxspec`
         _notice(f"MLX's CPU backend stays on the slow reference BLAS: {type(e).__name__}: {e}")
+
+
+def _set_openblas_threads(threads: int) -> None:
+    openblas = ctypes.CDLL(str(_openblas_library()), mode=os.RTLD_LOCAL)  # the shim's handle
+    openblas.scipy_openblas_set_num_threads(threads)
+
+
+def refresh_threads() -> int | None:
+    """Size the threads again from the cores idle now; ``mlxspec.load`` calls it.
+
+    At ``import mlxspec`` the machine is often busiest with the command's own start-up: the
+    other end of a pipe (``mlxspec bench --json | python -c ...``) starting its interpreter
+    kept one of 2 cores busy through every snapshot, so benchmarks ran on one thread. By the
+    time a model is loaded that has passed. Only threads sized automatically change (not those
+    set by ``OPENBLAS_NUM_THREADS`` and the like). Call it between products, never during one.
+    Returns the thread count, or None when the optimized BLAS is not active.
+    """
+    if _state is None or _shim is None or _state.active != "openblas":
+        return None
+    if _state.auto_threads:
+        threads = default_threads()
+        if threads != _shim.mlxspec_blas_threads():
+            _set_openblas_threads(threads)
+            _shim.mlxspec_blas_set_threads(threads)
+    return _shim.mlxspec_blas_threads()
 
 
 def _threads_from_environment() -> int | None:

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
-from mlxspec import fused_ops, paths
+from mlxspec import blas, fused_ops, paths
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -322,6 +322,7 @@ def load(
         raise
     check_vocabulary(nn_model, tokenizer, config, model_dir)
     fused_ops.enable()  # CPU-only MLX: RoPE and RMSNorm as compiled kernels, the same bits
+    blas.refresh_threads()  # Linux: the BLAS threads sized again, past the start-up's own load
     return nn_model, tokenizer
 
 

@@ -468,6 +468,34 @@ def test_default_threads_are_the_cores_left_free(monkeypatch, busy, cores, threa
     assert blas.default_threads() == threads
 
 
+def test_refresh_threads_resizes_only_automatic_threads(monkeypatch):
+    """``mlxspec.load`` sizes the threads again (the import's snapshot can catch the start-up of
+    a pipe's other end); threads set by a thread variable stay as set."""
+    from mlxspec import blas
+
+    if blas.blas_report(measure=False)["active"] != "openblas":
+        pytest.skip("the optimized BLAS is not active in this process")
+    import mlx.core as mx
+
+    before = blas._shim.mlxspec_blas_threads()
+    a, b = np.random.default_rng(0).standard_normal((2, 3, 256, 256)).astype(np.float32)
+    try:
+        monkeypatch.setattr(blas._state, "auto_threads", True)
+        for threads in (2, 1):
+            monkeypatch.setattr(blas, "default_threads", lambda threads=threads: threads)
+            assert blas.refresh_threads() == threads
+            assert f"{threads} thread{'s' * (threads > 1)};" in blas.skinny_products()
+            product = np.array(mx.array(a[:, :4]) @ mx.array(b).transpose(0, 2, 1))
+            np.testing.assert_allclose(product, a[:, :4] @ b.transpose(0, 2, 1), rtol=1e-4,
+                                       atol=1e-3)
+        monkeypatch.setattr(blas._state, "auto_threads", False)  # OPENBLAS_NUM_THREADS was set
+        monkeypatch.setattr(blas, "default_threads", lambda: 2)
+        assert blas.refresh_threads() == 1
+    finally:
+        blas._set_openblas_threads(before)
+        blas._shim.mlxspec_blas_set_threads(before)
+
+
 def test_busy_cores_elsewhere_sees_another_busy_process_but_not_this_one():
     import threading
 
