@@ -70,6 +70,7 @@ class BlasState:
     shim: str | None = None  # the compiled forwarding library
     notice: str | None = None  # why MLX stays on the reference BLAS, when it does
     auto_threads: bool = False  # threads sized from the idle cores (no thread variable set)
+    refreshed: bool = False  # refresh_threads() has sized them again
 
 
 _state: BlasState | None = None
@@ -137,18 +138,21 @@ def _set_openblas_threads(threads: int) -> None:
 
 
 def refresh_threads() -> int | None:
-    """Size the threads again from the cores idle now; ``mlxspec.load`` calls it.
+    """Size the threads again from the cores idle now, once per process (the first
+    ``mlxspec.load``, before any model has run).
 
     At ``import mlxspec`` the machine is often busiest with the command's own start-up: the
     other end of a pipe (``mlxspec bench --json | python -c ...``) starting its interpreter
     kept one of 2 cores busy through every snapshot, so benchmarks ran on one thread. By the
     time a model is loaded that has passed. Only threads sized automatically change (not those
-    set by ``OPENBLAS_NUM_THREADS`` and the like). Call it between products, never during one.
+    set by ``OPENBLAS_NUM_THREADS`` and the like), and only once: OpenBLAS must not change its
+    threads while another thread of the process is in a product, and a later load could be.
     Returns the thread count, or None when the optimized BLAS is not active.
     """
     if _state is None or _shim is None or _state.active != "openblas":
         return None
-    if _state.auto_threads:
+    if _state.auto_threads and not _state.refreshed:
+        _state.refreshed = True
         threads = default_threads()
         if threads != _shim.mlxspec_blas_threads():
             _set_openblas_threads(threads)

@@ -469,8 +469,8 @@ def test_default_threads_are_the_cores_left_free(monkeypatch, busy, cores, threa
 
 
 def test_refresh_threads_resizes_only_automatic_threads(monkeypatch):
-    """``mlxspec.load`` sizes the threads again (the import's snapshot can catch the start-up of
-    a pipe's other end); threads set by a thread variable stay as set."""
+    """``mlxspec.load`` sizes the threads again, once (the import's snapshot can catch the
+    start-up of a pipe's other end); threads set by a thread variable stay as set."""
     from mlxspec import blas
 
     if blas.blas_report(measure=False)["active"] != "openblas":
@@ -483,13 +483,16 @@ def test_refresh_threads_resizes_only_automatic_threads(monkeypatch):
         monkeypatch.setattr(blas._state, "auto_threads", True)
         for threads in (2, 1):
             monkeypatch.setattr(blas, "default_threads", lambda threads=threads: threads)
+            monkeypatch.setattr(blas._state, "refreshed", False)
             assert blas.refresh_threads() == threads
             assert f"{threads} thread{'s' * (threads > 1)};" in blas.skinny_products()
             product = np.array(mx.array(a[:, :4]) @ mx.array(b).transpose(0, 2, 1))
             np.testing.assert_allclose(product, a[:, :4] @ b.transpose(0, 2, 1), rtol=1e-4,
                                        atol=1e-3)
-        monkeypatch.setattr(blas._state, "auto_threads", False)  # OPENBLAS_NUM_THREADS was set
         monkeypatch.setattr(blas, "default_threads", lambda: 2)
+        assert blas.refresh_threads() == 1  # once per process: a later load changes nothing
+        monkeypatch.setattr(blas._state, "refreshed", False)
+        monkeypatch.setattr(blas._state, "auto_threads", False)  # OPENBLAS_NUM_THREADS was set
         assert blas.refresh_threads() == 1
     finally:
         blas._set_openblas_threads(before)
