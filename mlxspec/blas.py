@@ -138,17 +138,13 @@ def _set_openblas_threads(threads: int) -> None:
 
 
 def refresh_threads() -> int | None:
-    """Size the threads again from the cores idle now, once per process (the first
-    ``mlxspec.load``, before any model has run).
+    """Size automatically sized threads again from the cores idle now, once per process (the
+    first ``mlxspec.load``); returns the count, None without the optimized BLAS.
 
-    At ``import mlxspec`` the machine is often busiest with the command's own start-up: the
-    other end of a pipe (``mlxspec bench --json | python -c ...``) starting its interpreter
-    kept one of 2 cores busy through every snapshot, so benchmarks ran on one thread. By the
-    time a model is loaded that has passed. Only threads sized automatically change (not those
-    set by ``OPENBLAS_NUM_THREADS`` and the like), and only once: OpenBLAS must not change its
-    threads while another thread of the process is in a product, and a later load could be.
-    Returns the thread count, or None when the optimized BLAS is not active.
-    """
+    At import, the other end of a pipe (``mlxspec bench --json | python ...``) starting up kept
+    one of 2 cores busy through every snapshot; by the first load that has passed. Only once:
+    OpenBLAS must not change threads while another thread is in a product, as a later load
+    could be."""
     if _state is None or _shim is None or _state.active != "openblas":
         return None
     if _state.auto_threads and not _state.refreshed:
@@ -189,12 +185,10 @@ def busy_cores_elsewhere() -> float:
     tasks the kernel counts (``/proc/loadavg``, field 4, "running/total") minus this process's
     own running threads; the 1-minute load average where /proc is missing (that one lags).
 
-    The fewest of ``SNAPSHOTS`` snapshots 1 ms apart (~2 ms in all; the CPU-time difference
-    this replaced had to sleep 50 ms on every ``import mlxspec``): a process that keeps a core
-    busy shows in every one, a process that merely starts or exits at that moment (the previous
-    command of a script) in one, and one snapshot alone gave 1 thread instead of 2 in ~1 of 12
-    imports on an idle host. Processes that run in short bursts are missed, but those are not
-    the ones that stall OpenBLAS's spinning workers for long.
+    The fewest of ``SNAPSHOTS`` snapshots 1 ms apart (~2 ms; the CPU-time difference this
+    replaced slept 50 ms): a process keeping a core busy shows in every one, one exiting at that
+    moment in one (one snapshot gave 1 thread instead of 2 in ~1 of 12 idle imports). Processes
+    running in short bursts are missed; they do not stall OpenBLAS's spinning workers for long.
     """
     try:
         busy = []
