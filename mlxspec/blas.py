@@ -133,7 +133,8 @@ def setup() -> None:
 
 
 def _set_openblas_threads(threads: int) -> None:
-    openblas = ctypes.CDLL(str(_openblas_library()), mode=os.RTLD_LOCAL)  # the shim's handle
+    """OpenBLAS's own thread count (the library :func:`setup` activated: ``_state.library``)."""
+    openblas = ctypes.CDLL(_state.library, mode=os.RTLD_LOCAL)  # the shim's handle
     openblas.scipy_openblas_set_num_threads(threads)
 
 

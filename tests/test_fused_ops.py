@@ -155,9 +155,10 @@ def test_enable_swaps_mx_fast_and_disable_puts_mlx_own_back(monkeypatch):
 
 def _greedy(model, prompt: mx.array, steps: int) -> tuple[list[int], list[mx.array]]:
     tokens, logprobs = [], []
-    for (token, logprob), _ in zip(generate_step(prompt, model, max_tokens=steps), range(steps), strict=False):
+    for token, logprob in generate_step(prompt, model, max_tokens=steps):
         tokens.append(int(token))
         logprobs.append(logprob)
+    assert len(tokens) == steps
     return tokens, logprobs
 
 
