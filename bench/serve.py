@@ -84,8 +84,9 @@ def free_port() -> int:
 
 
 def start_server(kind: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    if kind == "mlx_lm":  # same back-end as mlxspec: its BLAS set-up and fused CPU ops
-        code = ("import sys, mlxspec; from mlxspec import fused_ops; fused_ops.enable(); "
+    if kind == "mlx_lm":  # same back-end as mlxspec: its BLAS set-up, fused ops, JIT flags
+        code = ("import sys, mlxspec; from mlxspec import cpu_jit, fused_ops; "
+                "fused_ops.enable(); cpu_jit.enable(); "
                 "from mlx_lm.server import main; "
                 "sys.argv = ['mlx_lm.server'] + sys.argv[1:]; main()")
         cmd = [sys.executable, "-c", code, "--model", model, "--port", str(port),

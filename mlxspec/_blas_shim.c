@@ -142,10 +142,14 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
  * kernel 20-25 ms and 35-41 ms without the prefetch, 19-20 ms and 24 ms with it, the AVX-512
  * kernel with it 17 ms at 1 row, 23 ms at 8 and 26 ms at 16
  * (bench/results/prefetch_2026-12-02.json).
- * x86-64 with AVX-512F: 16 rows at once, with AVX2 and FMA: 8, and up to SKINNY_GROUPED_ROWS in
+ * x86-64 with AVX-512F: 12 rows at once, with AVX2 and FMA: 8, and up to SKINNY_GROUPED_ROWS in
  * groups of those; elsewhere m = 1 goes to sgemv, which also streams W once, and larger m to sgemm.
+ * The AVX-512 blocks of 5-8 rows take 4 or 3 columns of W at once and keep each row of x in a
+ * register for all of them: on a 2-vCPU Xeon (AVX-512, 480 MB L3) SmolLM2's 211 products from
+ * memory, 8 rows 26.6 ms against 31.5 with 2 columns and x re-read per FMA, 12 rows 31.8 / 36.7,
+ * 16 rows 42.3 / 46.3, 24 rows 57.4 / 65.6; 1 row 22.4 (bench/results/skinny_2026-12-03.json).
  */
-#define SKINNY_MAX_ROWS 16
+#define SKINNY_MAX_ROWS 12
 /* Products of more rows than a kernel instance takes, up to this many, run the kernel over groups
  * of rows (skinny_grouped); more go to sgemm. SmolLM2's 211 products on the AMD EPYC (AVX2, 2
  * vCPUs), grouped against sgemm: 9 rows 47 against 80 ms, 12 rows 47 / 87, 16 rows 56 / 72,
@@ -155,7 +159,7 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
 #define SKINNY_PARALLEL_MIN (1 << 16)
 
 static int skinny_threads = 1;  /* mlxspec_blas_set_threads(): as many as OpenBLAS's */
-static int skinny_rows = 0;     /* rows the kernel takes: 16 (AVX-512F), 8 (AVX2+FMA), 0 (none) */
+static int skinny_rows = 0;     /* rows the kernel takes: 12 (AVX-512F), 8 (AVX2+FMA), 0 (none) */
 static int skinny_routing = 1;  /* mlxspec_blas_set_routing(0): every product to sgemm */
 static int skinny_max_rows = SKINNY_GROUPED_ROWS; /* mlxspec_blas_set_max_rows (benchmarks) */
 
@@ -240,6 +244,7 @@ SKINNY_KERNEL(8)
       }                                                                                         \
       _Pragma("GCC unroll 16") for (int i = 0; i < ROWS; ++i) {                                 \
         __m512 x = _mm512_loadu_ps(a + (size_t)i * lda + p);                                    \
+        __asm__("" : "+v"(x)); /* one load for all C columns: GCC would fold one into each FMA */ \
         _Pragma("GCC unroll 16") for (int q = 0; q < C; ++q)                                    \
           acc[q][i] = _mm512_fmadd_ps(x, w[q], acc[q][i]);                                      \
       }                                                                                         \
@@ -272,36 +277,32 @@ SKINNY_KERNEL(8)
 /* COLS: as many columns as keep the accumulators (ROWS x COLS) in registers. */
 #define SKINNY512_WIDE(ROWS, COLS) \
   SKINNY512_BLOCK(ROWS, 1) SKINNY512_BLOCK(ROWS, COLS) SKINNY512_KERNEL(ROWS, COLS)
-#define SKINNY512_NARROW(ROWS) SKINNY512_BLOCK(ROWS, 1) SKINNY512_KERNEL(ROWS, 1)
 SKINNY512_WIDE(1, 4)
 SKINNY512_WIDE(2, 4)
 SKINNY512_WIDE(3, 4)
 SKINNY512_WIDE(4, 4)
-SKINNY512_WIDE(5, 2)
-SKINNY512_WIDE(6, 2)
-SKINNY512_WIDE(7, 2)
-SKINNY512_WIDE(8, 2)
+SKINNY512_WIDE(5, 4)
+SKINNY512_WIDE(6, 4)
+SKINNY512_WIDE(7, 3)
+SKINNY512_WIDE(8, 3)
 SKINNY512_WIDE(9, 2)
 SKINNY512_WIDE(10, 2)
 SKINNY512_WIDE(11, 2)
 SKINNY512_WIDE(12, 2)
-SKINNY512_NARROW(13)
-SKINNY512_NARROW(14)
-SKINNY512_NARROW(15)
-SKINNY512_NARROW(16)
 
 typedef void (*skinny_kernel)(int, int, int, float, const float *, int, const float *, int, float,
                               float *, int);
 static const skinny_kernel skinny_avx2[9] = {NULL,     skinny_1, skinny_2, skinny_3, skinny_4,
                                              skinny_5, skinny_6, skinny_7, skinny_8};
 static const skinny_kernel skinny_avx512[SKINNY_MAX_ROWS + 1] = {
-    NULL,          skinny512_1,  skinny512_2,  skinny512_3,  skinny512_4,  skinny512_5,
-    skinny512_6,   skinny512_7,  skinny512_8,  skinny512_9,  skinny512_10, skinny512_11,
-    skinny512_12,  skinny512_13, skinny512_14, skinny512_15, skinny512_16};
+    NULL,         skinny512_1, skinny512_2, skinny512_3,  skinny512_4,  skinny512_5, skinny512_6,
+    skinny512_7,  skinny512_8, skinny512_9, skinny512_10, skinny512_11, skinny512_12};
 static const skinny_kernel *skinny_kernels = skinny_avx2;
 
 /* More rows than one kernel instance takes (a prefill chunk, a batch of 9-64 streams): the rows
- * in groups of `skinny_rows`, every group over one block of W's rows before the next block, so
+ * in groups of at most `skinny_rows`, as even as can be (AVX-512: 16 rows as 8 + 8, 21 as 11 + 10;
+ * 16 rows in one instance would leave one column per block: its x loads outnumber its FMAs), every
+ * group over one block of W's rows before the next block, so
  * W comes from memory once and from cache for the other groups (sgemm would pack it first).
  * SKINNY_BLOCK_BYTES of W a block: with the rows of x it stays in a 512 KB L2. Each output is
  * still the one kernel's sum, so a row's result does not depend on how many rows it is with. */
@@ -312,12 +313,13 @@ static void skinny_grouped(int m, int n0, int n1, int k, float alpha, const floa
     skinny_kernels[m](n0, n1, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
+  int groups = (m + skinny_rows - 1) / skinny_rows, per = (m + groups - 1) / groups;
   int block = SKINNY_BLOCK_BYTES / (int)(k * sizeof(float));
   block = block < 4 ? 4 : block;
   for (int j = n0; j < n1; j += block) {
     int j1 = j + block < n1 ? j + block : n1;
-    for (int i = 0; i < m; i += skinny_rows) {
-      int rows = m - i < skinny_rows ? m - i : skinny_rows;
+    for (int i = 0; i < m; i += per) {
+      int rows = m - i < per ? m - i : per;
       skinny_kernels[rows](j, j1, k, alpha, a + (size_t)i * lda, lda, b, ldb, beta,
                            c + (size_t)i * ldc, ldc);
     }
@@ -330,7 +332,7 @@ void mlxspec_blas_set_isa(const char *isa) {
   int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   int avx512 = avx2 && __builtin_cpu_supports("avx512f") && !(isa && !strcmp(isa, "avx2"));
   skinny_kernels = avx512 ? skinny_avx512 : skinny_avx2;
-  skinny_rows = avx512 ? 16 : avx2 ? 8 : 0;
+  skinny_rows = avx512 ? 12 : avx2 ? 8 : 0;
 }
 
 /*

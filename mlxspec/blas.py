@@ -17,7 +17,7 @@ Without a compiler or scipy-openblas32, MLX stays on the reference BLAS with one
 Decoding multiplies a few rows of activations by each weight matrix. OpenBLAS's sgemm packs the
 whole weight matrix before such a product, reading and writing it twice to use it once, so the
 shim computes these skinny products itself (on OpenBLAS's thread count; an AVX-512 kernel taking
-16 rows at once, else AVX2/FMA taking 8, and products of up to 24 rows in groups of those over each
+12 rows at once, else AVX2/FMA taking 8, and products of up to 24 rows in groups of those over each
 cached block of weights; one row elsewhere goes to sgemv), prefetching the next weight rows as it
 goes: a float32 SmolLM2 forward over 1 / 8 / 16 tokens costs 30 / 49 / 76 ms instead of 61 / 79 /
 101 with sgemm (``bench/results/prefetch_2026-12-02.json``). ``MLXSPEC_SKINNY=0`` sends every
@@ -327,13 +327,13 @@ def skinny_products() -> str | None:
         return "one row to sgemv (no AVX2/FMA kernel on this CPU)"
     count = _shim.mlxspec_blas_threads()
     threads = f"{count} thread{'s' * (count > 1)}"
-    kernel = "AVX-512 kernel (16 rows at once)" if mode & 4 else "AVX2/FMA kernel (8 rows at once)"
+    kernel = "AVX-512 kernel (12 rows at once)" if mode & 4 else "AVX2/FMA kernel (8 rows at once)"
     rows = _shim.mlxspec_blas_max_rows()
     return f"{kernel} for 1-{rows} rows, {threads}; other single rows to sgemv"
 
 
 def product_routes() -> dict[str, int] | None:
-    """How many float32 products the shim computed with its skinny kernel (1-16 rows times a
+    """How many float32 products the shim computed with its skinny kernel (1-24 rows times a
     transposed matrix) and sent to sgemv (one row or column); None when it is not active."""
     if _shim is None:
         return None

@@ -47,7 +47,8 @@ def _jit_available() -> bool:
     return shutil.which("g++") is not None
 
 
-def _turned_off() -> bool:
+def turned_off() -> bool:
+    """``MLXSPEC_FUSED_OPS=0``: MLX's own functions and JIT build (also read by cpu_jit)."""
     return os.environ.get("MLXSPEC_FUSED_OPS", "").strip().lower() in ("0", "off", "false", "no")
 
 
@@ -59,7 +60,7 @@ def enable() -> bool:
     """
     if _reference:
         return True
-    if _turned_off() or mx.metal.is_available() or not _jit_available():
+    if turned_off() or mx.metal.is_available() or not _jit_available():
         return False
     _reference.update(rope=mx.fast.rope, rms_norm=mx.fast.rms_norm)
     mx.fast.rope, mx.fast.rms_norm = rope, rms_norm
@@ -81,7 +82,7 @@ def describe() -> str:
     """What ``mlxspec.load`` does with RoPE and RMSNorm in this process (for ``mlxspec doctor``)."""
     if mx.metal.is_available():
         return "MLX's own (Metal kernels)"
-    if _turned_off() and not _reference:
+    if turned_off() and not _reference:
         return "MLX's own op graphs (MLXSPEC_FUSED_OPS=0)"
     if not _jit_available():
         return "MLX's own op graphs (no g++ for MLX's CPU compiler)"

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
-from mlxspec import blas, fused_ops, paths
+from mlxspec import blas, cpu_jit, fused_ops, paths
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -309,6 +309,7 @@ def load(
     Returns:
         ``(model, tokenizer)`` as ``mlx_lm.load`` returns them.
     """
+    cpu_jit.enable()  # CPU-only MLX: its JIT kernels built for this CPU (before any is built)
     model_dir = resolve_model_path(model)
     try:
         nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
