@@ -146,8 +146,9 @@ MLXSPEC_FORWARDED(DEFINE_FORWARDER)
  * groups of those; elsewhere m = 1 goes to sgemv, which also streams W once, and larger m to sgemm.
  * The AVX-512 blocks of 5-8 rows take 4 or 3 columns of W at once and keep each row of x in a
  * register for all of them: on a 2-vCPU Xeon (AVX-512, 480 MB L3) SmolLM2's 211 products from
- * memory, 8 rows 26.6 ms against 31.5 with 2 columns and x re-read per FMA, 12 rows 31.8 / 36.7,
- * 16 rows 42.3 / 46.3, 24 rows 57.4 / 65.6; 1 row 22.4 (bench/results/skinny_2026-12-03.json).
+ * memory, 8 rows 29.8 ms against 33.7 with 2 columns and x re-read per FMA, 12 rows 33.6 / 35.6,
+ * 16 rows 47.0 / 48.4, 21 rows 52.5 / 57.0, 24 rows 59.5 / 69.1; 1 row 23.5 / 24.0
+ * (bench/skinny.py, bench/results/skinny_2026-12-03.json).
  */
 #define SKINNY_MAX_ROWS 12
 /* Products of more rows than a kernel instance takes, up to this many, run the kernel over groups

@@ -82,19 +82,21 @@ def kernel_dir() -> Path:
     return Path(root) / "mlx" / mx.__version__ / "cpu"
 
 
+def _switched_off() -> bool:
+    from mlxspec import fused_ops  # its switch turns this off too
+
+    own = os.environ.get("MLXSPEC_JIT_FLAGS", "").strip().lower() in ("0", "off", "false", "no")
+    return own or fused_ops.turned_off()
+
+
 def enable() -> bool:
     """Put the ``g++`` wrapper first on ``PATH`` (see the module docstring). Idempotent; returns
     whether MLX's JIT builds get ``FLAGS`` in this process."""
     global _wrapper_dir
     if _wrapper_dir is not None:
         return True
-    from mlxspec import fused_ops  # its switch turns this off too
-
     compiler = shutil.which("g++")
-    own_switch = os.environ.get("MLXSPEC_JIT_FLAGS", "").strip().lower() in ("0", "off", "no")
-    if fused_ops.turned_off() or own_switch or mx.metal.is_available() or not compiler:
-        return False
-    if not _cpu_supported():
+    if _switched_off() or mx.metal.is_available() or not compiler or not _cpu_supported():
         return False
     try:
         wrapper = _write_wrapper(compiler)
@@ -111,12 +113,14 @@ def enabled() -> bool:
 
 
 def describe() -> str:
-    """For ``mlxspec doctor``."""
-    if _wrapper_dir is not None:
-        return f"g++ {' '.join(FLAGS)} (bitwise MLX's kernels, vectorized)"
+    """What ``mlxspec.load`` does with MLX's JIT builds here (for ``mlxspec doctor``)."""
     if mx.metal.is_available():
         return "not used (Metal)"
-    return "MLX's default build"
+    if _wrapper_dir is None and _switched_off():
+        return "MLX's default build (MLXSPEC_JIT_FLAGS=0 or MLXSPEC_FUSED_OPS=0)"
+    if _wrapper_dir is None and not (shutil.which("g++") and _cpu_supported()):
+        return "MLX's default build (needs g++ and a Linux x86-64 CPU with AVX2, FMA and F16C)"
+    return f"g++ {' '.join(FLAGS)} for MLX's kernels (bitwise its own build, vectorized)"
 
 
 def _write_wrapper(compiler: str) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from mlxspec import cpu_jit
 from mlxspec.cli.main import cli
 
 MLXSPEC = str(Path(sys.executable).parent / "mlxspec")
@@ -195,3 +196,5 @@ def test_system_report_is_the_library_side_of_doctor():
         "openblas", "custom", "preloaded", "reference", "accelerate")
     assert "matmul_gflops" not in report["blas"]
     assert report["fused_ops"].startswith("compiled")  # CPU-only MLX here
+    if cpu_jit._cpu_supported() and shutil.which("g++"):
+        assert report["cpu_jit"].startswith("g++ -mavx2")
