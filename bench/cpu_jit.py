@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,14 +75,11 @@ def main() -> None:
     result = {"model": args.model or "SmolLM2-135M-Instruct (default)", "rounds": args.rounds - 1,
               "steps": args.steps, "same_logits_bitwise": same_bits,
               "loadavg": open("/proc/loadavg").read().split()[:3], "variants": {}}
+    sys.path.insert(0, str(HERE))
+    from fused_ops import summary  # bench/fused_ops.py: the same measurement, summarised alike
+
     for name in variants:
-        medians = {b: statistics.median(ms[name][b]) for b in batches}
-        result["variants"][name] = {
-            "forward_ms": {str(b): round(medians[b], 2) for b in batches},
-            "forward_ms_rounds": {str(b): [round(t, 2) for t in ms[name][b]] for b in batches},
-            "tokens_per_s": {str(b): round(b * 1e3 / medians[b], 1) for b in batches},
-            "vs_batch_1": {str(b): round(b * medians[batches[0]] / medians[b], 2) for b in batches},
-        }
+        result["variants"][name] = summary(ms[name], batches)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

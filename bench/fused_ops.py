@@ -51,6 +51,18 @@ def forward_ms(model, batch: int, steps: int) -> tuple[float, mx.array]:
     return statistics.median(times) * 1e3, logits
 
 
+def summary(ms: dict[int, list[float]], batches: list[int]) -> dict:
+    """One variant's forward times (ms per round at each batch size): medians, rounds, tokens/s
+    and the ratio of batch N's tokens/s to the first batch size's."""
+    medians = {b: statistics.median(ms[b]) for b in batches}
+    return {
+        "forward_ms": {str(b): round(medians[b], 2) for b in batches},
+        "forward_ms_rounds": {str(b): [round(t, 2) for t in ms[b]] for b in batches},
+        "tokens_per_s": {str(b): round(b * 1e3 / medians[b], 1) for b in batches},
+        "vs_batch_1": {str(b): round(b * medians[batches[0]] / medians[b], 2) for b in batches},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -78,14 +90,7 @@ def main() -> None:
               "blas": mlxspec.blas.skinny_products(), "loadavg": open("/proc/loadavg").read().split()[:3],
               "variants": {}}
     for name in variants:
-        medians = {b: statistics.median(ms[name][b]) for b in batches}
-        result["variants"][name] = {
-            "ops_per_step": ops[name],
-            "forward_ms": {str(b): round(medians[b], 2) for b in batches},
-            "forward_ms_rounds": {str(b): [round(t, 2) for t in ms[name][b]] for b in batches},
-            "tokens_per_s": {str(b): round(b * 1e3 / medians[b], 1) for b in batches},
-            "vs_batch_1": {str(b): round(b * medians[batches[0]] / medians[b], 2) for b in batches},
-        }
+        result["variants"][name] = {"ops_per_step": ops[name], **summary(ms[name], batches)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
