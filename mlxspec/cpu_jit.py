@@ -18,8 +18,10 @@ tricks well defined, ``-finline-limit`` lets ``exp`` inline into the loop. SiLU:
 element, bitwise the same (``tests/test_cpu_jit.py``).
 
 MLX finds a kernel it built before by name and does not build it again, so kernels already in
-the cache would keep the old build: the first ``enable()`` for a cache directory removes the
-kernels in it (recorded by a stamp file there); MLX rebuilds those it needs, ~0.5 s each.
+the cache would keep the old build: the first ``enable()`` for a cache directory and set of flags
+removes the kernels in it (a stamp file there records the flags); MLX rebuilds those it needs,
+~0.5 s each. ``mlxspec.load`` enables it before it builds the model, since building can already
+compile kernels.
 
 Process-wide, like :mod:`mlxspec.fused_ops` (whose switch it shares: ``MLXSPEC_FUSED_OPS=0``
 leaves MLX's build alone; ``MLXSPEC_JIT_FLAGS=0`` only this, for A/B runs). Only on Linux x86-64 CPUs with AVX2, FMA and F16C, with ``g++``, and
@@ -85,8 +87,7 @@ def kernel_dir() -> Path:
 def _switched_off() -> bool:
     from mlxspec import fused_ops  # its switch turns this off too
 
-    own = os.environ.get("MLXSPEC_JIT_FLAGS", "").strip().lower() in ("0", "off", "false", "no")
-    return own or fused_ops.turned_off()
+    return fused_ops.turned_off("MLXSPEC_JIT_FLAGS") or fused_ops.turned_off()
 
 
 def enable() -> bool:

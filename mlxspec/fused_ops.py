@@ -47,9 +47,10 @@ def _jit_available() -> bool:
     return shutil.which("g++") is not None
 
 
-def turned_off() -> bool:
-    """``MLXSPEC_FUSED_OPS=0``: MLX's own functions and JIT build (also read by cpu_jit)."""
-    return os.environ.get("MLXSPEC_FUSED_OPS", "").strip().lower() in ("0", "off", "false", "no")
+def turned_off(variable: str = "MLXSPEC_FUSED_OPS") -> bool:
+    """Whether ``variable`` is set to 0/off/false/no. ``MLXSPEC_FUSED_OPS=0``: MLX's own functions
+    and JIT build (``mlxspec.cpu_jit`` reads it, and its own ``MLXSPEC_JIT_FLAGS``, through here)."""
+    return os.environ.get(variable, "").strip().lower() in ("0", "off", "false", "no")
 
 
 def enable() -> bool:
