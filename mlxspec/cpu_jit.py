@@ -9,7 +9,8 @@ costs ~18 ns per element, ~6.6 ms of a SmolLM2 decode step over 8 rows on 2 vCPU
 
 ``enable()`` restores what MLX does on an AVX2 build, plus what lets GCC vectorize MLX's ``exp``:
 it puts a ``g++`` wrapper first on ``PATH`` that adds ``FLAGS`` to MLX's JIT builds (a command
-writing into ``*/mlx/*/cpu/``) and passes every other command through unchanged. None of the
+writing into ``*/mlx/*/cpu/``) and passes every other command through unchanged (and every
+command, where the switches below are set: child processes inherit the ``PATH``). None of the
 flags changes a result: ``-mfma`` computes the same correctly rounded ``fma``,
 ``-ffp-contract=off`` forbids fusing anything the source does not fuse, ``-fno-math-errno`` and
 ``-fno-trapping-math`` only drop errno and floating-point trap semantics (which let GCC
@@ -49,6 +50,12 @@ STAMP = ".mlxspec-jit-flags"  # in MLX's kernel directory: its kernels were clea
 
 _WRAPPER = """#!/bin/sh
 # Written by mlxspec (mlxspec/cpu_jit.py): MLX's CPU JIT kernels built for this CPU's AVX2/FMA.
+# Child processes inherit PATH: their switches are read here, at each build.
+off() {{
+  case "$(printf %s "$1" | tr -d ' ' | tr A-Z a-z)" in 0|off|false|no) return 0 ;; esac
+  return 1
+}}
+if off "$MLXSPEC_JIT_FLAGS" || off "$MLXSPEC_FUSED_OPS"; then exec {compiler} "$@"; fi
 out=
 prev=
 for arg in "$@"; do

@@ -124,6 +124,11 @@ def test_the_wrapper_adds_flags_to_mlx_builds_only(tmp_path, monkeypatch):
     assert mlx_build.returncode == 0, mlx_build.stderr
     other = _compile(wrapper, tmp_path / "elsewhere" / "libx.so", tmp_path)
     assert other.returncode != 0 and "built without AVX2" in other.stderr  # passed through as is
+    for variable in ("MLXSPEC_JIT_FLAGS", "MLXSPEC_FUSED_OPS"):  # a child process switched off
+        monkeypatch.setenv(variable, " Off")
+        switched = _compile(wrapper, tmp_path / "t" / "mlx" / "0.0.0" / "cpu" / "tmp_y.so", tmp_path)
+        assert switched.returncode != 0 and "built without AVX2" in switched.stderr
+        monkeypatch.delenv(variable)
     version = subprocess.run([str(wrapper), "--version"], capture_output=True, text=True)
     assert version.stdout == subprocess.run(["g++", "--version"], capture_output=True,
                                             text=True).stdout
