@@ -348,55 +348,79 @@ void mlxspec_blas_set_isa(const char *isa) {
  * thread and Python's graph building need (2 cores, 3 busy threads). AMD EPYC, 2 vCPUs, the
  * engine in-process, runs alternating: spinning up to 1 ms, 8 streams 88.6 tok/s and one 18.4;
  * up to 10 us, 105.5 and 21.6; not at all, 106.3 and 21.2.
+ *
+ * A product is cut into chunks of columns that the caller and the workers claim one at a time
+ * (one atomic ticket), so nobody waits for a part assigned to a thread that is not running: a
+ * woken worker often finds both cores taken (MLX's thread, Python building the next graph) and
+ * left the caller spinning for its fixed half, ~16 ms of a 70 ms step of 8 rows (perf,
+ * SmolLM2). Decode steps, old and new builds in alternating processes (7 rounds, Xeon, 2 vCPUs):
+ * 1 row 42.1 against 43.7 ms, 8 rows 63.5 against 65.0. Products timed alone (bench/skinny.py,
+ * the worker always spinning when a product starts) lose 3-10% instead. Each output is computed
+ * whole by whichever thread claims its chunk: the numbers do not change (tests/test_blas.py).
  */
 #define POOL_MAX_THREADS 64
 #define POOL_SPIN_CYCLES 20000ULL /* ~10 us at 2 GHz of spinning before a worker sleeps */
+#define POOL_CHUNKS_PER_THREAD 8  /* claims per thread and product, for balance */
+#define POOL_MIN_CHUNK 64         /* columns: smaller chunks cost the kernel its blocking */
+
+/* The ticket: bits 0-19 the first chunk not claimed, 20-39 the chunk after the last one not
+ * claimed, 40-63 the product's generation (a new product never repeats the value of the one
+ * before). The caller claims from the front, workers from the back. */
+#define TICKET_FRONT(t) ((unsigned)((t) & 0xFFFFF))
+#define TICKET_BACK(t) ((unsigned)(((t) >> 20) & 0xFFFFF))
+#define TICKET_GENERATION(t) ((t) >> 40)
 
 static struct {
   pthread_mutex_t busy;   /* held by the caller whose product the pool is computing */
   pthread_mutex_t sleep;  /* with `wake`: where idle workers sleep */
   pthread_cond_t wake;
-  unsigned long generation; /* bumped for every product (atomic) */
-  int pending;              /* workers still computing the current product (atomic) */
-  int workers;              /* workers started so far */
-  /* the current product; worker t (1-based) computes part t of `parts` */
-  int parts, m, n, k, lda, ldb, ldc;
+  unsigned long long ticket; /* atomic; published after the product below is set */
+  unsigned done;             /* chunks of the current product computed (atomic) */
+  int workers;               /* workers started so far */
+  /* the current product, in chunks of `chunk` columns of c */
+  int chunk, m, n, k, lda, ldb, ldc;
   float alpha, beta;
   const float *a, *b;
   float *c;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
             .sleep = PTHREAD_MUTEX_INITIALIZER,
             .wake = PTHREAD_COND_INITIALIZER};
-/* The generation each worker was started at: it waits for the next one (set before its start). */
-static unsigned long pool_started_at[POOL_MAX_THREADS];
 
-/* Part `t` of `parts`: the columns j of c split evenly (in multiples of 8). */
-static void pool_part(int t) {
-  int chunk = ((pool.n + pool.parts - 1) / pool.parts + 7) & ~7;
-  int n0 = t * chunk, n1 = n0 + chunk < pool.n ? n0 + chunk : pool.n;
-  if (n0 < n1)
+/* Claim and compute chunks of the current product (from the front or the back) until none is
+ * left. The product's fields are read only after a claim succeeds: its caller waits for every
+ * claimed chunk before it returns, so they stay valid while a claim is held. */
+static void pool_claim_chunks(int from_back) {
+  unsigned long long t = __atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE);
+  while (TICKET_FRONT(t) < TICKET_BACK(t)) {
+    unsigned long long claimed = from_back ? t - (1ULL << 20) : t + 1;
+    if (!__atomic_compare_exchange_n(&pool.ticket, &t, claimed, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+      continue; /* t now holds the current ticket */
+    int n0 = (int)(from_back ? TICKET_BACK(claimed) : TICKET_FRONT(t)) * pool.chunk;
+    int n1 = n0 + pool.chunk < pool.n ? n0 + pool.chunk : pool.n;
     skinny_grouped(pool.m, n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
                    pool.beta, pool.c, pool.ldc);
+    __atomic_add_fetch(&pool.done, 1, __ATOMIC_RELEASE);
+    t = __atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE);
+  }
 }
 
 static void *pool_worker(void *arg) {
-  int id = (int)(size_t)arg;
-  unsigned long seen = pool_started_at[id];
+  unsigned long long seen = (unsigned long long)(size_t)arg; /* the generation at its start */
   for (;;) {
     unsigned long long start = __rdtsc();
-    while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+    while (TICKET_GENERATION(__atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE)) == seen) {
       if (__rdtsc() - start < POOL_SPIN_CYCLES) {
         _mm_pause();
         continue;
       }
       pthread_mutex_lock(&pool.sleep);
-      while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen)
+      while (TICKET_GENERATION(__atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE)) == seen)
         pthread_cond_wait(&pool.wake, &pool.sleep);
       pthread_mutex_unlock(&pool.sleep);
     }
-    seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
-    if (id < pool.parts) pool_part(id);
-    __atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL);
+    seen = TICKET_GENERATION(__atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE));
+    pool_claim_chunks(1);
   }
   return NULL;
 }
@@ -409,24 +433,27 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
     skinny_grouped(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
+  unsigned long long generation = TICKET_GENERATION(pool.ticket) + 1;
   while (pool.workers < threads - 1) { /* started on first use, kept for the process */
     pthread_t thread;
-    pool_started_at[pool.workers + 1] = pool.generation;
-    if (pthread_create(&thread, NULL, pool_worker, (void *)(size_t)(pool.workers + 1)) != 0)
+    if (pthread_create(&thread, NULL, pool_worker, (void *)(size_t)(generation - 1)) != 0)
       break;
     pthread_detach(thread);
     ++pool.workers;
   }
-  pool.parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
+  int chunk = (n + POOL_CHUNKS_PER_THREAD * threads - 1) / (POOL_CHUNKS_PER_THREAD * threads);
+  chunk = chunk < POOL_MIN_CHUNK ? POOL_MIN_CHUNK : (chunk + 7) & ~7;
+  unsigned long long chunks = (unsigned long long)((n + chunk - 1) / chunk);
+  pool.chunk = chunk;
   pool.m = m, pool.n = n, pool.k = k, pool.alpha = alpha, pool.beta = beta;
   pool.a = a, pool.lda = lda, pool.b = b, pool.ldb = ldb, pool.c = c, pool.ldc = ldc;
-  __atomic_store_n(&pool.pending, pool.workers, __ATOMIC_RELEASE);
+  __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
   pthread_mutex_lock(&pool.sleep); /* a worker between its last check and its wait sees this */
-  __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
+  __atomic_store_n(&pool.ticket, (generation & 0xFFFFFF) << 40 | chunks << 20, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&pool.wake);
   pthread_mutex_unlock(&pool.sleep);
-  pool_part(0);
-  while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0) _mm_pause();
+  pool_claim_chunks(0);
+  while (__atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < chunks) _mm_pause();
   pthread_mutex_unlock(&pool.busy);
 }
 #else

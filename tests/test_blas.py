@@ -274,6 +274,14 @@ rows = blas._shim.mlxspec_blas_max_rows()  # 24, or MLXSPEC_SKINNY_ROWS=8
 a, w = mx.array(normal(rows, 577)), mx.array(normal(333, 577))
 batched = np.array(a @ w.T)
 alone = [np.array(a[i : i + 1] @ w.T) for i in range(rows)]
+# Threads claim chunks of columns as they come: 1, 2 or 3 threads, the same numbers.
+x, big = mx.array(normal(5, 577)), mx.array(normal(4099, 577))
+threads = blas._shim.mlxspec_blas_threads()
+by_threads = []
+for t in (1, 2, 3):
+    blas._shim.mlxspec_blas_set_threads(t)
+    by_threads.append(np.array(x @ big.T))
+blas._shim.mlxspec_blas_set_threads(threads)
 # Two MLX streams multiply at once (two threads share the kernel's pool): the same numbers.
 other = mx.new_stream(mx.cpu)
 both = [mx.matmul(a[: 1 + i % rows], w.T, stream=mx.cpu if i % 2 else other) for i in range(64)]
@@ -282,6 +290,7 @@ concurrent_ok = all(np.array_equal(np.array(r), batched[: 1 + i % rows]) for i, 
 np.savez(sys.argv[1], **{f"in_{k}_{j}": v for k, pair in arrays.items() for j, v in enumerate(pair)},
          **{f"out_{k}": v for k, v in out.items()})
 print(json.dumps({"routes": routes, "mode": blas.skinny_products(), "concurrent_ok": concurrent_ok,
+                  "threads_independent": all(np.array_equal(by_threads[0], r) for r in by_threads),
                   "row_independent": all(np.array_equal(batched[i : i + 1], alone[i])
                                          for i in range(rows))}))
 """
@@ -326,7 +335,7 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
         kernel = "AVX-512 kernel (12" if "avx512f" in flags and skinny != "avx2" else "AVX2/FMA kernel (8"
         assert report["mode"].startswith(f"{kernel} rows at once) for 1-{rows} rows, {threads} thread")
     assert report["routes"]["gemv"] >= 1  # x @ W with one row
-    assert report["row_independent"] and report["concurrent_ok"]
+    assert report["row_independent"] and report["concurrent_ok"] and report["threads_independent"]
 
 
 # -- fallbacks: one clear warning, MLX still works --------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is in the dev extra")
 
+from mlxspec import engine_batch  # noqa: E402
 from mlxspec.engine import Engine, Request, make_draft  # noqa: E402
 from mlxspec.generate import stream_generate  # noqa: E402
 from mlxspec.openai_api import Limits  # noqa: E402
@@ -161,11 +162,15 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(smollm2):
     assert text_b == reference(model, tokenizer, long_prompt, 3)[0]
 
 
-def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, monkeypatch):
-    """Prompts arriving together are prefilled in one forward (right-padded, last tokens
-    included) whose logits give their first tokens: no second, per-arrival forward stalls the
-    running stream (mlx-lm's own batching runs one); every stream's tokens equal plain greedy."""
+@pytest.mark.parametrize("fused", [True, False], ids=["in-the-step", "own-forward"])
+def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, monkeypatch, fused):
+    """Prompts arriving together are prefilled together, right-padded, last tokens included,
+    and those logits give their first tokens: inside the running stream's decode step
+    (``mlxspec.engine_fused``: its weight products shared) or in one forward of their own; no
+    second, per-arrival forward stalls the running stream (mlx-lm's own batching runs one).
+    Every stream's tokens equal plain greedy."""
     model, tokenizer = smollm2
+    monkeypatch.setattr(engine_batch, "FUSE_PREFILL", fused)
     prompt_a, prompt_b, prompt_c = (tokenizer.encode(p) for p in PROMPTS[:3])
     assert len(prompt_b) != len(prompt_c)
     engine = Engine(model, tokenizer)
@@ -185,7 +190,9 @@ def test_arriving_prompts_cost_one_forward_and_keep_the_output_exact(smollm2, mo
     monkeypatch.undo()
     assert steps == 2  # prefilled during the first step, their first tokens from the second
     longest = max(len(prompt_b), len(prompt_c))
-    assert sorted(forwards) == sorted([(1, 1), (2, longest), (3, 1)])
+    # In the step, the first step's forward is the fused one (not the model's own call).
+    expected = [(3, 1)] if fused else [(1, 1), (2, longest), (3, 1)]
+    assert sorted(forwards) == sorted(expected)
     while engine.streams:
         for event in engine.step():
             texts[event.rid] += event.text

@@ -1,0 +1,96 @@
+"""`mlxspec.engine_fused`: the running rows' decode step and joining prompts in one forward give
+bitwise the logits and caches of the two forwards run apart (SmolLM2)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxspec.cache import make_cache
+from mlxspec.engine_batch import last_token_logits
+from mlxspec.engine_fused import Part, WithPrefill, fused_logits, supported
+
+ROWS = 8
+
+
+def _running_rows(model) -> list:
+    """Batch caches of ROWS rows at different lengths (left-padded, as in a running batch)."""
+    caches = [make_cache(model) for _ in range(ROWS)]
+    for i, cache in enumerate(caches):
+        model(mx.array([[11 + i] * (9 + 5 * i)]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return [layer.merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
+
+
+def _joining(model, prompts: list[list[int]]):
+    """A group of prompts on caches that already hold a shared start, right-padded as
+    ``DecodeBatch`` pads a group: tokens, caches, lengths."""
+    rows = []
+    for _ in prompts:
+        cache = make_cache(model)
+        model(mx.array([[7] * 12]), cache=cache)
+        mx.eval([c.state for c in cache])
+        rows.append(cache)
+    lengths = [len(p) for p in prompts]
+    padding = [max(lengths) - n for n in lengths]
+    cache = [layer.merge([c[i] for c in rows]) for i, layer in enumerate(rows[0])]
+    if any(padding):
+        for c in cache:
+            c.prepare(lengths=lengths, right_padding=padding)
+    tokens = mx.array([p + [0] * pad for p, pad in zip(prompts, padding, strict=True)])
+    return tokens, cache, lengths
+
+
+def _states(caches) -> list[mx.array]:
+    return [a for c in caches for a in c.state if isinstance(a, mx.array)]
+
+
+@pytest.mark.parametrize("lengths", [[13], [5, 8]], ids=["one-prompt", "two-padded"])
+def test_fused_forward_is_bitwise_the_two_forwards(smollm2, lengths):
+    model, tokenizer = smollm2
+    text = tokenizer.encode("Write a haiku about the sea, then explain why it rhymes.")
+    prompts = [text[: n] for n in lengths]
+    inputs = mx.array([[100 + i] for i in range(ROWS)])
+
+    apart_rows, (tokens, apart_group, n) = _running_rows(model), _joining(model, prompts)
+    decode = model(inputs, cache=apart_rows)[:, -1]
+    prefill = last_token_logits(model, tokens, apart_group, n)
+    mx.eval(decode, prefill)
+
+    fused_rows, (tokens, fused_group, n) = _running_rows(model), _joining(model, prompts)
+    fused_decode, fused_prefill = fused_logits(
+        model, [Part(inputs, fused_rows), Part(tokens, fused_group, [k - 1 for k in n])])
+    mx.eval(fused_decode, fused_prefill)
+
+    assert fused_decode.shape == (ROWS, decode.shape[-1])
+    assert fused_prefill.shape == (len(prompts), decode.shape[-1])
+    assert mx.array_equal(fused_decode, decode).item()
+    assert mx.array_equal(fused_prefill, prefill).item()
+    for apart, fused in ((apart_rows, fused_rows), (apart_group, fused_group)):
+        assert all(mx.array_equal(a, b).item()
+                   for a, b in zip(_states(apart), _states(fused), strict=True))
+
+
+def test_with_prefill_runs_the_queued_prompt_once(smollm2):
+    model, tokenizer = smollm2
+    wrapped = WithPrefill(model)
+    assert wrapped.supported
+    rows = _running_rows(model)
+    tokens, group, n = _joining(model, [tokenizer.encode("The capital of France is")])
+    wrapped.queue(Part(tokens, group, [k - 1 for k in n]))
+    inputs = mx.array([[3]] * ROWS)
+    first = wrapped(inputs, cache=rows)
+    assert first.shape[:2] == (ROWS, 1)
+    expected = last_token_logits(model, *_joining(model, [tokenizer.encode(
+        "The capital of France is")]))  # the same prompt on its own
+    assert mx.array_equal(wrapped.take(), expected).item()
+    with pytest.raises(RuntimeError, match="did not run"):
+        wrapped.take()
+    # Nothing queued: the model's own forward.
+    plain = wrapped(inputs, cache=_running_rows(model))
+    assert mx.array_equal(plain, model(inputs, cache=_running_rows(model))).item()
+
+
+def test_only_llama_family_models_are_fused(smollm2, gemma3):
+    assert supported(smollm2[0])
+    assert not supported(gemma3[0])  # sliding-window layers, extra norms: its own forward
