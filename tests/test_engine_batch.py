@@ -237,3 +237,33 @@ def test_joining_rows_take_the_slots_of_rows_that_left(smollm2, monkeypatch, fla
             assert c.step == engine_batch.KV_STEP != 256
     assert texts == expected
     assert placed and compacted  # slots were taken, and the long prompt compacted the batch
+
+
+def test_a_long_row_leaving_drops_the_padding_the_others_shared(smollm2, monkeypatch):
+    """A long row leaves while shorter ones, right-aligned to it, keep decoding: once every live
+    row's cache starts with ``TRIM_PADDING`` empty positions the batch is compacted (mlx-lm's
+    ``filter`` drops them) instead of the row being retired, and nobody's text changes."""
+    model, tokenizer = smollm2
+    compacted = []
+    compact = engine_rows.BatchRows._compact
+    monkeypatch.setattr(engine_rows.BatchRows, "_compact", lambda self, keep: (
+        compacted.append(len(keep)), compact(self, keep))[1])
+    long_prompt = " ".join(f"item{i}," for i in range(30))
+    assert len(tokenizer.encode(long_prompt)) > engine_rows.TRIM_PADDING + 10
+    requests = [(long_prompt, 2), (PROMPTS[0], 10), (PROMPTS[1], 10)]
+    engine = Engine(model, tokenizer, max_batch=8, prompt_cache_size=0)
+    rids = {engine.submit(Request(prompt=tokenizer.encode(p), max_tokens=n)): (p, n)
+            for p, n in requests}
+    texts = dict.fromkeys(rids, "")
+    shared_padding = []
+    while engine.streams:
+        for event in engine.step():
+            texts[event.rid] += event.text
+        rows = engine.batch.rows
+        if rows.live() == 2 and len(rows):
+            padding = rows.prompt_cache[0].left_padding.tolist()
+            shared_padding.append(min(p for p, uid in zip(padding, rows.uids, strict=True)
+                                      if uid != engine_rows.RETIRED))
+    assert compacted[0] == 2  # the long row left: the two short rows compacted, not retired
+    assert shared_padding and max(shared_padding) < engine_rows.TRIM_PADDING
+    assert texts == {rid: generate(model, tokenizer, p, max_tokens=n) for rid, (p, n) in rids.items()}
