@@ -6,9 +6,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxspec import engine_batch, engine_rows
 from mlxspec.cache import make_cache
+from mlxspec.engine import Engine, Request
 from mlxspec.engine_batch import last_token_logits
 from mlxspec.engine_fused import Part, WithPrefill, fused_logits, supported
+from mlxspec.generate import generate
+from tests.test_engine_batch import wrong_and_flagged
 
 ROWS = 8
 
@@ -94,3 +98,38 @@ def test_with_prefill_runs_the_queued_prompt_once(smollm2):
 def test_only_llama_family_models_are_fused(smollm2, gemma3):
     assert supported(smollm2[0])
     assert not supported(gemma3[0])  # sliding-window layers, extra norms: its own forward
+
+
+@pytest.mark.parametrize("mix", ["all-flagged", "with-a-sampled-row"])
+def test_prompts_joining_through_the_fused_step_keep_plain_greedy_text(smollm2, monkeypatch, mix):
+    """Prompts join a running batch through the fused step while its forward is redone (every
+    greedy token flagged as a near-tie: the caches step back and the step runs again, without
+    the prompts) or while a sampled row makes the batch take mlx-lm's own step: every greedy
+    request's text is plain greedy decoding's."""
+    model, tokenizer = smollm2
+    fused = []
+    queue = engine_batch.DecodeBatch._queue_fused_prefill
+    monkeypatch.setattr(engine_batch.DecodeBatch, "_queue_fused_prefill", lambda self: (
+        lambda out: (fused.append(out is not None), out)[1])(queue(self)))
+    if mix == "all-flagged":
+        monkeypatch.setattr(engine_rows, "greedy_candidates", wrong_and_flagged)
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+    engine = Engine(model, tokenizer, max_batch=8, prompt_cache_size=0)
+    greedy = {engine.submit(Request(tokenizer.encode(prompts[0]), max_tokens=10)): (prompts[0], 10)}
+    if mix == "with-a-sampled-row":
+        engine.submit(Request(tokenizer.encode("Once upon a time"), max_tokens=12, temp=0.8))
+    texts: dict[int, str] = {}
+
+    def step() -> None:
+        for event in engine.step():
+            texts[event.rid] = texts.get(event.rid, "") + event.text
+
+    step()
+    step()
+    greedy.update({engine.submit(Request(tokenizer.encode(p), max_tokens=6)): (p, 6)
+                   for p in prompts[1:]})
+    while engine.streams:
+        step()
+    assert any(fused)  # the joining prompts went through the fused step
+    assert {rid: texts[rid] for rid in greedy} == {
+        rid: generate(model, tokenizer, p, max_tokens=n) for rid, (p, n) in greedy.items()}
