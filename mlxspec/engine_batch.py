@@ -231,7 +231,7 @@ class DecodeBatch:
         in_step: list[_Pending] = []
         while self.pending and len(group) + len(in_step) < room:
             row = self.pending[0]
-            if JOIN_IN_STEP and len(row.rest) == 1 and row.tokens and row.rest[0] not in self._eos:
+            if self._joins_in_step(row):
                 in_step.append(self.pending.popleft())
                 continue
             if len(row.rest) > budget:
@@ -274,6 +274,11 @@ class DecodeBatch:
         self._in_step.update(row.uid for row in rows)
         self.rows.extend(joining)
 
+    def _joins_in_step(self, row: _Pending) -> bool:
+        """Whether ``row`` joins the next batched step with no prefill (``_join_in_step``): one
+        prompt token left, not an end token, on a cache holding the rest."""
+        return JOIN_IN_STEP and len(row.rest) == 1 and bool(row.tokens) and row.rest[0] not in self._eos
+
     def _queue_fused_prefill(self) -> tuple[list[_Pending], list[Any], bool] | None:
         """Prompts at the head of the queue that fit in this step's budget and, with the running
         rows, in ``MAX_FUSED_ROWS`` rows of weight products: queued to run in the decode step's
@@ -284,7 +289,7 @@ class DecodeBatch:
         budget, room = self.prefill_step, self.max_batch - self.rows.live()
         count, longest, total = 0, 0, 0
         for row in self.pending:
-            if count == room or (JOIN_IN_STEP and len(row.rest) == 1 and row.tokens):
+            if count == room or self._joins_in_step(row):
                 break
             longest, total = max(longest, len(row.rest)), total + len(row.rest)
             if total > budget or len(self.rows.uids) + (count + 1) * longest > MAX_FUSED_ROWS:
