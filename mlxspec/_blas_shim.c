@@ -327,6 +327,114 @@ static void skinny_grouped(int m, int n0, int n1, int k, float alpha, const floa
   }
 }
 
+/* Products with b not transposed and few columns (attention's p v: rows of probabilities times
+ * V, n = the head dimension): c[i, j] = alpha * sum_p a[i, p] * b[p, j] as one FMA chain per
+ * output, p ascending, the vector lanes holding columns. An output's sum depends on nothing else:
+ * not on m, not on the rows it shares a call with, not on the vector width (AVX-512 and AVX2 give
+ * the same bits), so mlxspec/_cpu_attention.cpp computes a KV head's query heads in one call.
+ * Replaces sgemv (one row) and sgemm (more): SmolLM2's attention over 8 rows, ~100 positions,
+ * 2,160 such products a step, each ~0.5 us in OpenBLAS's sgemv, which wakes its threads past
+ * 9,216 multiply-adds. */
+#define NN_MAX_COLS 256
+#define NN_STORE(ACC, OUT, MUL, ADD, LOAD, STORE, SET1, MASK)                                    \
+  do {                                                                                         \
+    if (beta == 0.0f) {                                                                        \
+      STORE(OUT, MASK, MUL(SET1(alpha), ACC));                                                 \
+    } else {                                                                                   \
+      STORE(OUT, MASK, ADD(MUL(SET1(alpha), ACC), MUL(SET1(beta), LOAD(MASK, OUT))));          \
+    }                                                                                          \
+  } while (0)
+
+#define NN512_LOAD(MASK, P) _mm512_maskz_loadu_ps(MASK, P)
+#define NN512_STORE(P, MASK, V) _mm512_mask_storeu_ps(P, MASK, V)
+/* ROWS rows of a against up to 64 columns of b (four 16-lane blocks, the last ones masked). */
+#define NN512_KERNEL(ROWS)                                                                      \
+  SKINNY512_TARGET static void nn512_##ROWS(int n, int k, float alpha, const float *a, int lda, \
+                                            const float *b, int ldb, float beta, float *c,      \
+                                            int ldc) {                                         \
+    for (int j0 = 0; j0 < n; j0 += 64) {                                                        \
+      __mmask16 mask[4];                                                                        \
+      for (int q = 0; q < 4; ++q) {                                                             \
+        int left = n - j0 - 16 * q;                                                             \
+        mask[q] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;          \
+      }                                                                                         \
+      __m512 acc[ROWS][4];                                                                      \
+      _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; ++i)                                    \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] = _mm512_setzero_ps();    \
+      for (int p = 0; p < k; ++p) {                                                             \
+        __m512 w[4];                                                                            \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                                     \
+          w[q] = _mm512_maskz_loadu_ps(mask[q], b + (size_t)p * ldb + j0 + 16 * q);             \
+        _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; ++i) {                                \
+          __m512 x = _mm512_set1_ps(a[(size_t)i * lda + p]);                                    \
+          _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                                   \
+            acc[i][q] = _mm512_fmadd_ps(x, w[q], acc[i][q]);                                    \
+        }                                                                                       \
+      }                                                                                         \
+      for (int i = 0; i < ROWS; ++i)                                                            \
+        for (int q = 0; q < 4; ++q)                                                             \
+          if (mask[q])                                                                          \
+            NN_STORE(acc[i][q], c + (size_t)i * ldc + j0 + 16 * q, _mm512_mul_ps,               \
+                     _mm512_add_ps, NN512_LOAD, NN512_STORE, _mm512_set1_ps, mask[q]);          \
+    }                                                                                           \
+  }
+NN512_KERNEL(1)
+NN512_KERNEL(2)
+NN512_KERNEL(3)
+NN512_KERNEL(4)
+
+#define NN256_LOAD(MASK, P) _mm256_maskload_ps(P, MASK)
+#define NN256_STORE(P, MASK, V) _mm256_maskstore_ps(P, MASK, V)
+/* The same with 8 lanes: ROWS rows against up to 32 columns (four 8-lane blocks). */
+#define NN256_KERNEL(ROWS)                                                                      \
+  SKINNY_TARGET static void nn256_##ROWS(int n, int k, float alpha, const float *a, int lda,    \
+                                         const float *b, int ldb, float beta, float *c,         \
+                                         int ldc) {                                            \
+    for (int j0 = 0; j0 < n; j0 += 32) {                                                        \
+      __m256i mask[4];                                                                          \
+      for (int q = 0; q < 4; ++q) {                                                             \
+        int left = n - j0 - 8 * q;                                                              \
+        mask[q] = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 0 ? 0 : left),                    \
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));                \
+      }                                                                                         \
+      __m256 acc[ROWS][4];                                                                      \
+      _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; ++i)                                    \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();    \
+      for (int p = 0; p < k; ++p) {                                                             \
+        __m256 w[4];                                                                            \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                                     \
+          w[q] = _mm256_maskload_ps(b + (size_t)p * ldb + j0 + 8 * q, mask[q]);                 \
+        _Pragma("GCC unroll 4") for (int i = 0; i < ROWS; ++i) {                                \
+          __m256 x = _mm256_set1_ps(a[(size_t)i * lda + p]);                                    \
+          _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                                   \
+            acc[i][q] = _mm256_fmadd_ps(x, w[q], acc[i][q]);                                    \
+        }                                                                                       \
+      }                                                                                         \
+      for (int i = 0; i < ROWS; ++i)                                                            \
+        for (int q = 0; q < 4; ++q)                                                             \
+          if (n - j0 - 8 * q > 0)                                                               \
+            NN_STORE(acc[i][q], c + (size_t)i * ldc + j0 + 8 * q, _mm256_mul_ps, _mm256_add_ps, \
+                     NN256_LOAD, NN256_STORE, _mm256_set1_ps, mask[q]);                         \
+    }                                                                                           \
+  }
+NN256_KERNEL(1)
+NN256_KERNEL(2)
+
+typedef void (*nn_kernel)(int, int, float, const float *, int, const float *, int, float, float *,
+                          int);
+static const nn_kernel nn_avx512[] = {NULL, nn512_1, nn512_2, nn512_3, nn512_4};
+static const nn_kernel nn_avx2[] = {NULL, nn256_1, nn256_2};
+static const nn_kernel *nn_kernels = nn_avx2;
+static int nn_rows = 2; /* rows per kernel call: 4 (AVX-512), 2 (AVX2) */
+
+static void nn_product(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                       int ldb, float beta, float *c, int ldc) {
+  for (int i = 0; i < m; i += nn_rows) {
+    int rows = m - i < nn_rows ? m - i : nn_rows;
+    nn_kernels[rows](n, k, alpha, a + (size_t)i * lda, lda, b, ldb, beta, c + (size_t)i * ldc, ldc);
+  }
+}
+
 /* The widest kernel the CPU runs, unless `isa` asks for AVX2 ("avx2": tests and benchmarks). */
 void mlxspec_blas_set_isa(const char *isa) {
   __builtin_cpu_init();
@@ -334,6 +442,8 @@ void mlxspec_blas_set_isa(const char *isa) {
   int avx512 = avx2 && __builtin_cpu_supports("avx512f") && !(isa && !strcmp(isa, "avx2"));
   skinny_kernels = avx512 ? skinny_avx512 : skinny_avx2;
   skinny_rows = avx512 ? 12 : avx2 ? 8 : 0;
+  nn_kernels = avx512 ? nn_avx512 : nn_avx2;
+  nn_rows = avx512 ? 4 : 2;
 }
 
 /*
@@ -458,6 +568,11 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
 }
 #else
 void mlxspec_blas_set_isa(const char *isa) { (void)isa; }
+static void nn_product(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                       int ldb, float beta, float *c, int ldc) {
+  (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta,
+      (void)c, (void)ldc;
+}
 static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
   (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta,
@@ -476,6 +591,21 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 /* Products the shim computed itself or sent to sgemv (statistics for tests and reports). */
 unsigned long long mlxspec_blas_skinny_calls = 0;
 unsigned long long mlxspec_blas_gemv_calls = 0;
+unsigned long long mlxspec_blas_nn_calls = 0;
+
+static int skinny_applies(int ta, int tb, int m) {
+  return m <= (skinny_rows ? skinny_max_rows : 0) && ta == NO_TRANS && tb == TRANS;
+}
+static int nn_applies(int ta, int tb, int m, int n) {
+  return skinny_rows && m <= skinny_max_rows && n <= NN_MAX_COLS && ta == NO_TRANS &&
+         tb == NO_TRANS;
+}
+
+/* Whether a row-major product of this shape goes to one of the kernels above, whose outputs do
+ * not depend on m: rows computed in one call or one at a time give the same bits. */
+int mlxspec_blas_rows_independent(int ta, int tb, int m, int n) {
+  return skinny_routing && m > 0 && n > 0 && (skinny_applies(ta, tb, m) || nn_applies(ta, tb, m, n));
+}
 
 /* cblas_sgemm, the call behind every float32 matmul: skinny products as above, the rest to sgemm. */
 void cblas_sgemm(cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, blas_int n,
@@ -483,9 +613,12 @@ void cblas_sgemm(cblas_enum order, cblas_enum ta, cblas_enum tb, blas_int m, bla
                  blas_int ldb, float beta, float *c, blas_int ldc) {
   __atomic_add_fetch(&mlxspec_blas_calls, 1, __ATOMIC_RELAXED);
   int valid = skinny_routing && order == ROW_MAJOR && m > 0 && n > 0 && k > 0;
-  if (valid && m <= (skinny_rows ? skinny_max_rows : 0) && ta == NO_TRANS && tb == TRANS) {
+  if (valid && skinny_applies(ta, tb, m)) {
     __atomic_add_fetch(&mlxspec_blas_skinny_calls, 1, __ATOMIC_RELAXED);
     skinny_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (valid && nn_applies(ta, tb, m, n)) {
+    __atomic_add_fetch(&mlxspec_blas_nn_calls, 1, __ATOMIC_RELAXED);
+    nn_product(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else if (valid && m == 1) {
     /* c (1, n) = a (1, k) @ op(b): c.T = op(b).T @ a.T. b is (k, n) untransposed (sgemv of its
      * transpose) or (n, k) transposed (plain sgemv); a's k values are a column (stride lda)

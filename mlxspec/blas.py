@@ -333,13 +333,13 @@ def skinny_products() -> str | None:
 
 
 def product_routes() -> dict[str, int] | None:
-    """How many float32 products the shim computed with its skinny kernel (1-24 rows times a
-    transposed matrix) and sent to sgemv (one row or column); None when it is not active."""
+    """How many float32 products the shim computed with its kernels (skinny: 1-24 rows times a
+    transposed matrix; nn: times one of <= 256 columns) and sent to sgemv; None if inactive."""
     if _shim is None:
         return None
     return {
         route: ctypes.c_ulonglong.in_dll(_shim, f"mlxspec_blas_{route}_calls").value
-        for route in ("skinny", "gemv")
+        for route in ("skinny", "nn", "gemv")
     }
 
 

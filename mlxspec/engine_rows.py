@@ -27,6 +27,8 @@ from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxspec import cpu_ops
+
 # Logits this close to a row's largest may round to the same log-probability (|logprob| <= log
 # of the vocabulary < 16, where float32's spacing is at most 2**-19): such rows are normalized.
 GREEDY_TIE = 2.0**-16
@@ -45,7 +47,10 @@ _NEVER = StopSequences()  # stops nothing: a retired row's
 def greedy_candidates(logits: mx.array) -> tuple[mx.array, mx.array]:
     """Lazily: the argmax of each row of ``logits`` (rows, vocabulary), and how many logits of the
     row lie within ``GREEDY_TIE`` of its largest (1: the argmax is also that of the row's
-    log-probabilities; 0 for a row whose largest is not finite, left to the normalization)."""
+    log-probabilities; 0 for a row whose largest is not finite, left to the normalization).
+    One op where :mod:`mlxspec.cpu_ops` is enabled (the same numbers)."""
+    if (single := cpu_ops.greedy_candidates(logits, GREEDY_TIE)) is not None:
+        return single
     top = mx.argmax(logits, axis=-1)
     best = mx.take_along_axis(logits, top[:, None], axis=-1)
     near = mx.sum(logits >= best - GREEDY_TIE, axis=-1)

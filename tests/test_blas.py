@@ -243,7 +243,7 @@ def test_library_path_setting_forwards_to_that_library(tmp_path, home):
 # Row i of a product of up to 24 rows must be bitwise the same as that row alone (what batching
 # and speculative verification rely on). MLXSPEC_SKINNY_ROWS=8: 9 rows and more to sgemm.
 SKINNY = r"""
-import json, sys
+import json, os, sys
 import numpy as np
 import mlxspec
 from mlxspec import blas
@@ -282,6 +282,14 @@ for t in (1, 2, 3):
     blas._shim.mlxspec_blas_set_threads(t)
     by_threads.append(np.array(x @ big.T))
 blas._shim.mlxspec_blas_set_threads(threads)
+# The nn kernel (b untransposed, <= 256 columns): a row alone or with others, 16 or 8 lanes, the
+# same numbers (one FMA chain per output; mlxspec/_cpu_attention.cpp relies on it).
+p, v = mx.array(normal(7, 300)), mx.array(normal(300, 70))
+nn_batched = np.array(p @ v)
+nn_alone = [np.array(p[i : i + 1] @ v) for i in range(7)]
+blas._shim.mlxspec_blas_set_isa(b"avx2")
+nn_avx2 = np.array(p @ v)
+blas._shim.mlxspec_blas_set_isa(b"avx2" if os.environ.get("MLXSPEC_SKINNY") == "avx2" else None)
 # Two MLX streams multiply at once (two threads share the kernel's pool): the same numbers.
 other = mx.new_stream(mx.cpu)
 both = [mx.matmul(a[: 1 + i % rows], w.T, stream=mx.cpu if i % 2 else other) for i in range(64)]
@@ -292,7 +300,10 @@ np.savez(sys.argv[1], **{f"in_{k}_{j}": v for k, pair in arrays.items() for j, v
 print(json.dumps({"routes": routes, "mode": blas.skinny_products(), "concurrent_ok": concurrent_ok,
                   "threads_independent": all(np.array_equal(by_threads[0], r) for r in by_threads),
                   "row_independent": all(np.array_equal(batched[i : i + 1], alone[i])
-                                         for i in range(rows))}))
+                                         for i in range(rows)),
+                  "nn_row_independent": all(np.array_equal(nn_batched[i : i + 1], nn_alone[i])
+                                            for i in range(7)),
+                  "nn_isa_independent": np.array_equal(nn_batched, nn_avx2)}))
 """
 
 
@@ -321,7 +332,7 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
         error = np.abs(saved[f"out_{name}"] - reference)
         assert np.all(error <= bound), f"{name}: max error {error.max():.3g}"
     if skinny == "0":  # every product went to sgemm, as before the shim computed any itself
-        assert report["routes"] == {"skinny": 0, "gemv": 0}
+        assert report["routes"] == {"skinny": 0, "nn": 0, "gemv": 0}
         assert report["mode"].startswith("off")
         return
     # The routes were taken: the widest kernel the CPU has (AVX-512, else AVX2 and FMA) unless
@@ -334,7 +345,10 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
         assert report["routes"]["skinny"] == rows * 7 + 2
         kernel = "AVX-512 kernel (12" if "avx512f" in flags and skinny != "avx2" else "AVX2/FMA kernel (8"
         assert report["mode"].startswith(f"{kernel} rows at once) for 1-{rows} rows, {threads} thread")
-    assert report["routes"]["gemv"] >= 1  # x @ W with one row
+        # nn_1, nn_3 and the column (b untransposed, <= 256 columns): the nn kernel
+        assert report["routes"]["nn"] == 3
+        assert report["nn_row_independent"] and report["nn_isa_independent"]
+    assert report["routes"]["gemv"] >= 1  # a transposed row
     assert report["row_independent"] and report["concurrent_ok"] and report["threads_independent"]
 
 
