@@ -487,7 +487,10 @@ static struct {
   unsigned long long ticket; /* atomic; published after the product below is set */
   unsigned done;             /* chunks of the current product computed (atomic) */
   int workers;               /* workers started so far */
-  /* the current product, in chunks of `chunk` columns of c */
+  /* the current job: task(context, i) for each chunk i, or without a task a product in chunks
+   * of `chunk` columns of c */
+  void (*task)(void *, int);
+  void *context;
   int chunk, m, n, k, lda, ldb, ldc;
   float alpha, beta;
   const float *a, *b;
@@ -506,10 +509,14 @@ static void pool_claim_chunks(int from_back) {
     if (!__atomic_compare_exchange_n(&pool.ticket, &t, claimed, 0, __ATOMIC_ACQ_REL,
                                      __ATOMIC_ACQUIRE))
       continue; /* t now holds the current ticket */
-    int n0 = (int)(from_back ? TICKET_BACK(claimed) : TICKET_FRONT(t)) * pool.chunk;
-    int n1 = n0 + pool.chunk < pool.n ? n0 + pool.chunk : pool.n;
-    skinny_grouped(pool.m, n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
-                   pool.beta, pool.c, pool.ldc);
+    int index = (int)(from_back ? TICKET_BACK(claimed) : TICKET_FRONT(t));
+    if (pool.task) {
+      pool.task(pool.context, index);
+    } else {
+      int n0 = index * pool.chunk, n1 = n0 + pool.chunk < pool.n ? n0 + pool.chunk : pool.n;
+      skinny_grouped(pool.m, n0, n1, pool.k, pool.alpha, pool.a, pool.lda, pool.b, pool.ldb,
+                     pool.beta, pool.c, pool.ldc);
+    }
     __atomic_add_fetch(&pool.done, 1, __ATOMIC_RELEASE);
     t = __atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE);
   }
@@ -535,14 +542,13 @@ static void *pool_worker(void *arg) {
   return NULL;
 }
 
-static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
-                      int ldb, float beta, float *c, int ldc) {
-  int threads = skinny_threads < POOL_MAX_THREADS ? skinny_threads : POOL_MAX_THREADS;
-  if (threads < 2 || (size_t)m * n * k < SKINNY_PARALLEL_MIN ||
-      pthread_mutex_trylock(&pool.busy) != 0) {
-    skinny_grouped(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
+static int pool_threads(void) {
+  return skinny_threads < POOL_MAX_THREADS ? skinny_threads : POOL_MAX_THREADS;
+}
+
+/* With pool.busy held and the job set: the workers started (once), `chunks` chunks published and
+ * computed by the caller and the workers; returns when all are done, the pool released. */
+static void pool_run(int threads, unsigned long long chunks) {
   unsigned long long generation = TICKET_GENERATION(pool.ticket) + 1;
   while (pool.workers < threads - 1) { /* started on first use, kept for the process */
     pthread_t thread;
@@ -551,12 +557,6 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
     pthread_detach(thread);
     ++pool.workers;
   }
-  int chunk = (n + POOL_CHUNKS_PER_THREAD * threads - 1) / (POOL_CHUNKS_PER_THREAD * threads);
-  chunk = chunk < POOL_MIN_CHUNK ? POOL_MIN_CHUNK : (chunk + 7) & ~7;
-  unsigned long long chunks = (unsigned long long)((n + chunk - 1) / chunk);
-  pool.chunk = chunk;
-  pool.m = m, pool.n = n, pool.k = k, pool.alpha = alpha, pool.beta = beta;
-  pool.a = a, pool.lda = lda, pool.b = b, pool.ldb = ldb, pool.c = c, pool.ldc = ldc;
   __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
   pthread_mutex_lock(&pool.sleep); /* a worker between its last check and its wait sees this */
   __atomic_store_n(&pool.ticket, (generation & 0xFFFFFF) << 40 | chunks << 20, __ATOMIC_RELEASE);
@@ -566,8 +566,43 @@ static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda,
   while (__atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < chunks) _mm_pause();
   pthread_mutex_unlock(&pool.busy);
 }
+
+static void skinny_nt(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+  int threads = pool_threads();
+  if (threads < 2 || (size_t)m * n * k < SKINNY_PARALLEL_MIN ||
+      pthread_mutex_trylock(&pool.busy) != 0) {
+    skinny_grouped(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  int chunk = (n + POOL_CHUNKS_PER_THREAD * threads - 1) / (POOL_CHUNKS_PER_THREAD * threads);
+  chunk = chunk < POOL_MIN_CHUNK ? POOL_MIN_CHUNK : (chunk + 7) & ~7;
+  pool.task = NULL;
+  pool.chunk = chunk;
+  pool.m = m, pool.n = n, pool.k = k, pool.alpha = alpha, pool.beta = beta;
+  pool.a = a, pool.lda = lda, pool.b = b, pool.ldb = ldb, pool.c = c, pool.ldc = ldc;
+  pool_run(threads, (unsigned long long)((n + chunk - 1) / chunk));
+}
+
+/* task(context, i) for every i < count, on the pool's threads and the caller; returns when all
+ * have run. All run on the caller when there is one thread or the pool is busy (a task's own
+ * products then run alone: the pool is never waited for). mlxspec/_cpu_ops.cpp runs an
+ * attention's (row, KV head) pairs this way: each is computed whole by one thread, so the
+ * numbers do not depend on the threads. */
+void mlxspec_blas_parallel_for(int count, void (*task)(void *, int), void *context) {
+  int threads = pool_threads();
+  if (threads < 2 || count < 2 || count >= (1 << 20) || pthread_mutex_trylock(&pool.busy) != 0) {
+    for (int i = 0; i < count; ++i) task(context, i);
+    return;
+  }
+  pool.task = task, pool.context = context;
+  pool_run(threads, (unsigned long long)count);
+}
 #else
 void mlxspec_blas_set_isa(const char *isa) { (void)isa; }
+void mlxspec_blas_parallel_for(int count, void (*task)(void *, int), void *context) {
+  for (int i = 0; i < count; ++i) task(context, i);
+}
 static void nn_product(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                        int ldb, float beta, float *c, int ldc) {
   (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb, (void)beta,

@@ -106,77 +106,119 @@ RowsIndependent rows_independent() {
   return fn;
 }
 
-void attend(const Problem &p) {
-  const int repeats = p.heads / p.kv_heads, lq = p.q_len, l = p.kv_len, d = p.dim;
+/* How MLX hands one attention's operands to BLAS, and how this one calls it (see attend). */
+struct Plan {
+  const Problem *p;
+  Operand qo, kt, vo;
+  int kt_trans, v_trans, repeats, per_call, rows;
+  bool q_direct;
+  int64_t q_step;
+};
+
+Plan plan_for(const Problem &p) {
+  Plan plan{&p};
   const int64_t *qst = p.q_strides.data(), *kst = p.k_strides.data(), *vst = p.v_strides.data();
+  const int lq = p.q_len, l = p.kv_len, d = p.dim;
+  plan.repeats = p.heads / p.kv_heads;
   // MLX's operands: q (lq, d) per head; k^T (d, l) with k's strides swapped; v (l, d).
-  Operand qo = blas_operand(lq, d, qst[2], qst[3]);
-  Operand kt = blas_operand(d, l, kst[3], kst[2]);
-  Operand vo = blas_operand(l, d, vst[2], vst[3]);
-  const int kt_trans = kt.transposed ? TRANS : NO_TRANS, v_trans = vo.transposed ? TRANS : NO_TRANS;
+  plan.qo = blas_operand(lq, d, qst[2], qst[3]);
+  plan.kt = blas_operand(d, l, kst[3], kst[2]);
+  plan.vo = blas_operand(l, d, vst[2], vst[3]);
+  plan.kt_trans = plan.kt.transposed ? TRANS : NO_TRANS;
+  plan.v_trans = plan.vo.transposed ? TRANS : NO_TRANS;
   RowsIndependent independent = rows_independent();
-  const bool grouped = repeats > 1 && !qo.transposed && independent &&
-                       independent(NO_TRANS, kt_trans, repeats * lq, l) &&
-                       independent(NO_TRANS, v_trans, repeats * lq, d);
-  const int per_call = grouped ? repeats : 1, rows = per_call * lq;
+  const bool grouped = plan.repeats > 1 && !plan.qo.transposed && independent &&
+                       independent(NO_TRANS, plan.kt_trans, plan.repeats * lq, l) &&
+                       independent(NO_TRANS, plan.v_trans, plan.repeats * lq, d);
+  plan.per_call = grouped ? plan.repeats : 1;
+  plan.rows = plan.per_call * lq;
   // A call's q rows (head r, query i at r * lq + i) in place when they are evenly spaced.
-  const int64_t q_step = per_call > 1 && lq == 1 ? qst[1] : qo.ld;
-  const bool q_direct = !qo.copy && !qo.transposed && qst[3] == 1 && q_step >= d &&
-                        (per_call == 1 || lq == 1 || qst[1] == lq * qst[2]);
+  plan.q_step = plan.per_call > 1 && lq == 1 ? qst[1] : plan.qo.ld;
+  plan.q_direct = !plan.qo.copy && !plan.qo.transposed && qst[3] == 1 && plan.q_step >= d &&
+                  (plan.per_call == 1 || lq == 1 || qst[1] == lq * qst[2]);
+  return plan;
+}
+
+/* Row b's KV head kvh: its query heads' outputs, whole (one thread computes them). */
+void attend_pair(const Plan &plan, int b, int kvh) {
+  const Problem &p = *plan.p;
+  const Operand &qo = plan.qo, &kt = plan.kt, &vo = plan.vo;
+  const int lq = p.q_len, l = p.kv_len, d = p.dim, per_call = plan.per_call, rows = plan.rows;
+  const int64_t *qst = p.q_strides.data(), *kst = p.k_strides.data(), *vst = p.v_strides.data();
   std::vector<float> scores((size_t)rows * l), q_copy, kt_copy, v_copy;
-  if (!q_direct) q_copy.resize((size_t)rows * d);
-  if (kt.copy) kt_copy.resize((size_t)d * l);
-  if (vo.copy) v_copy.resize((size_t)l * d);
+  const float *kb = p.k + b * kst[0] + kvh * kst[1], *vb = p.v + b * vst[0] + kvh * vst[1];
+  if (kt.copy) {
+    kt_copy.resize((size_t)d * l);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < l; ++j) kt_copy[(size_t)i * l + j] = kb[j * kst[2] + i * kst[3]];
+  }
+  if (vo.copy) {
+    v_copy.resize((size_t)l * d);
+    for (int i = 0; i < l; ++i)
+      for (int j = 0; j < d; ++j) v_copy[(size_t)i * d + j] = vb[i * vst[2] + j * vst[3]];
+  }
+  if (!plan.q_direct && !qo.transposed) q_copy.resize((size_t)rows * d);
+  const float *kt_ptr = kt.copy ? kt_copy.data() : kb, *v_ptr = vo.copy ? v_copy.data() : vb;
   const float lowest = mx::numeric_limits<float>::lowest();
-  for (int b = 0; b < p.batch; ++b) {
-    for (int kvh = 0; kvh < p.kv_heads; ++kvh) {
-      const float *kb = p.k + b * kst[0] + kvh * kst[1], *vb = p.v + b * vst[0] + kvh * vst[1];
-      if (kt.copy)
-        for (int i = 0; i < d; ++i)
-          for (int j = 0; j < l; ++j) kt_copy[(size_t)i * l + j] = kb[j * kst[2] + i * kst[3]];
-      if (vo.copy)
-        for (int i = 0; i < l; ++i)
-          for (int j = 0; j < d; ++j) v_copy[(size_t)i * d + j] = vb[i * vst[2] + j * vst[3]];
-      const float *kt_ptr = kt.copy ? kt_copy.data() : kb, *v_ptr = vo.copy ? v_copy.data() : vb;
-      for (int h0 = kvh * repeats; h0 < (kvh + 1) * repeats; h0 += per_call) {
-        const float *qb = p.q + b * qst[0] + h0 * qst[1];
-        if (!q_direct && !qo.transposed)
-          for (int r = 0; r < per_call; ++r)
-            for (int i = 0; i < lq; ++i)
-              for (int j = 0; j < d; ++j)
-                q_copy[((size_t)r * lq + i) * d + j] = qb[r * qst[1] + i * qst[2] + j * qst[3]];
-        if (qo.transposed)  // MLX's q operand column-major: one head a call (per_call 1)
-          cblas_sgemm(ROW_MAJOR, TRANS, kt_trans, lq, l, d, 1.0f, qb, (int)qo.ld, kt_ptr,
-                      (int)kt.ld, 0.0f, scores.data(), l);
-        else
-          cblas_sgemm(ROW_MAJOR, NO_TRANS, kt_trans, rows, l, d, 1.0f,
-                      q_direct ? qb : q_copy.data(), (int)(q_direct ? q_step : d), kt_ptr,
-                      (int)kt.ld, 0.0f, scores.data(), l);
-        for (int r = 0; r < per_call; ++r) {
-          float *head_scores = scores.data() + (size_t)r * lq * l;
-          if (p.mask_kind == CAUSAL) {
-            for (int i = 0; i < lq; ++i)
-              for (int j = 0; j < l; ++j)
-                if (!(i + (l - lq) >= j)) head_scores[(size_t)i * l + j] = lowest;
-          } else if (p.mask_kind != NO_MASK) {
-            const int64_t *ms = p.mask_strides.data();
-            const int64_t base = b * ms[0] + (h0 + r) * ms[1];
-            for (int i = 0; i < lq; ++i)
-              for (int j = 0; j < l; ++j) {
-                float &s = head_scores[(size_t)i * l + j];
-                const int64_t at = base + i * ms[2] + j * ms[3];
-                if (p.mask_kind == BOOL_MASK)
-                  s = static_cast<const bool *>(p.mask)[at] ? s : lowest;
-                else
-                  s = s + static_cast<const float *>(p.mask)[at];
-              }
+  for (int h0 = kvh * plan.repeats; h0 < (kvh + 1) * plan.repeats; h0 += per_call) {
+    const float *qb = p.q + b * qst[0] + h0 * qst[1];
+    if (qo.transposed) {  // MLX's q operand column-major: one head a call (per_call 1)
+      cblas_sgemm(ROW_MAJOR, TRANS, plan.kt_trans, lq, l, d, 1.0f, qb, (int)qo.ld, kt_ptr,
+                  (int)kt.ld, 0.0f, scores.data(), l);
+    } else {
+      if (!plan.q_direct)
+        for (int r = 0; r < per_call; ++r)
+          for (int i = 0; i < lq; ++i)
+            for (int j = 0; j < d; ++j)
+              q_copy[((size_t)r * lq + i) * d + j] = qb[r * qst[1] + i * qst[2] + j * qst[3]];
+      cblas_sgemm(ROW_MAJOR, NO_TRANS, plan.kt_trans, rows, l, d, 1.0f,
+                  plan.q_direct ? qb : q_copy.data(), (int)(plan.q_direct ? plan.q_step : d),
+                  kt_ptr, (int)kt.ld, 0.0f, scores.data(), l);
+    }
+    for (int r = 0; r < per_call; ++r) {
+      float *head_scores = scores.data() + (size_t)r * lq * l;
+      if (p.mask_kind == CAUSAL) {
+        for (int i = 0; i < lq; ++i)
+          for (int j = 0; j < l; ++j)
+            if (!(i + (l - lq) >= j)) head_scores[(size_t)i * l + j] = lowest;
+      } else if (p.mask_kind != NO_MASK) {
+        const int64_t *ms = p.mask_strides.data();
+        const int64_t base = b * ms[0] + (h0 + r) * ms[1];
+        for (int i = 0; i < lq; ++i)
+          for (int j = 0; j < l; ++j) {
+            float &s = head_scores[(size_t)i * l + j];
+            const int64_t at = base + i * ms[2] + j * ms[3];
+            if (p.mask_kind == BOOL_MASK)
+              s = static_cast<const bool *>(p.mask)[at] ? s : lowest;
+            else
+              s = s + static_cast<const float *>(p.mask)[at];
           }
-        }
-        softmax_rows(scores.data(), rows, l);
-        cblas_sgemm(ROW_MAJOR, NO_TRANS, v_trans, rows, d, l, 1.0f, scores.data(), l, v_ptr,
-                    (int)vo.ld, 0.0f, p.out + ((size_t)b * p.heads + h0) * lq * d, d);
       }
     }
+    softmax_rows(scores.data(), rows, l);
+    cblas_sgemm(ROW_MAJOR, NO_TRANS, plan.v_trans, rows, d, l, 1.0f, scores.data(), l, v_ptr,
+                (int)vo.ld, 0.0f, p.out + ((size_t)b * p.heads + h0) * lq * d, d);
+  }
+}
+
+/* Multiply-adds (q k^T and p v) from which the (row, KV head) pairs run on the BLAS shim's
+ * threads: below, waking a thread costs more than it saves. */
+constexpr double PARALLEL_MIN_WORK = 1 << 18;
+
+void attend(const Problem &p) {
+  using ParallelFor = void (*)(int, void (*)(void *, int), void *);
+  static auto parallel_for =
+      reinterpret_cast<ParallelFor>(dlsym(RTLD_DEFAULT, "mlxspec_blas_parallel_for"));
+  const Plan plan = plan_for(p);
+  const int pairs = p.batch * p.kv_heads;
+  const double work = 2.0 * p.batch * p.heads * p.q_len * p.kv_len * p.dim;
+  if (parallel_for && pairs > 1 && work >= PARALLEL_MIN_WORK) {
+    parallel_for(pairs, [](void *context, int i) {
+      const Plan &plan = *static_cast<const Plan *>(context);
+      attend_pair(plan, i / plan.p->kv_heads, i % plan.p->kv_heads);
+    }, const_cast<Plan *>(&plan));
+  } else {
+    for (int i = 0; i < pairs; ++i) attend_pair(plan, i / p.kv_heads, i % p.kv_heads);
   }
 }
 

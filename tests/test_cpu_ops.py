@@ -104,6 +104,24 @@ def test_attention_is_bitwise_mlx_own(shape, layout, mask_kind):
     assert error.max() < 1e-5
 
 
+def test_threads_do_not_change_the_numbers():
+    """Large enough, the (row, KV head) pairs run on the BLAS shim's threads: one thread or
+    several, MLX's own numbers."""
+    if blas._shim is None:
+        pytest.skip("mlxspec's BLAS shim is not loaded: the pairs run on MLX's thread only")
+    q, k, v = inputs(8, 9, 3, 1, 400, 64, "cache", seed=5)
+    mask = mx.arange(400)[None, None, None, :] >= mx.arange(8)[:, None, None, None]
+    expected = np.array(mlx_own(q, k, v, 0.125, mask))
+    threads = blas._shim.mlxspec_blas_threads()
+    try:
+        for count in (1, 2, 3):
+            blas._shim.mlxspec_blas_set_threads(count)
+            got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+            assert np.array_equal(np.array(got), expected)
+    finally:
+        blas._shim.mlxspec_blas_set_threads(threads)
+
+
 def test_other_inputs_go_to_mlx_own():
     """float16, attention sinks, an explicit stream and malformed masks are MLX's own to handle
     (with MLX's own errors)."""
