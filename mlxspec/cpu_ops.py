@@ -169,6 +169,25 @@ def _flags() -> list[str]:
     return flags
 
 
+def _compiler() -> list[str]:
+    """``$CXX``, else the first ``g++`` on ``PATH`` that is not :mod:`mlxspec.cpu_jit`'s wrapper
+    (one per cache directory, inherited by child processes: the cache key must not depend on
+    which one a process sees)."""
+    if os.environ.get("CXX", "").strip():
+        return shlex.split(os.environ["CXX"])
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which("g++", path=directory) if directory else None
+        if candidate is None:
+            continue
+        try:
+            head = Path(candidate).read_bytes()[:200]
+        except OSError:
+            continue
+        if b"mlxspec/cpu_jit.py" not in head:
+            return [candidate]
+    return ["g++"]
+
+
 def library() -> Path:
     """The built module, compiled on first use into ``$MLXSPEC_HOME/cpu_ops/``.
 
@@ -176,7 +195,7 @@ def library() -> Path:
     and the flags. Built under a lock and a temporary name, so concurrent first uses build once.
     """
     nanobind = _nanobind()
-    compiler = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or "g++"]
+    compiler = _compiler()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     flags = _flags()
     key_text = "\n".join([SOURCE.read_text(), mx.__version__, nanobind.__version__, suffix,
@@ -202,7 +221,8 @@ def library() -> Path:
                    f"-I{nb_root / 'include'}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
                    f"-I{mlx_root / 'include'}", str(SOURCE), str(nb_root / "src" / "nb_combined.cpp"),
                    f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}", "-o", tmp]
-        print("mlxspec: building its CPU ops (once, ~10 s)", file=sys.stderr, flush=True)
+        if sys.stderr.isatty():  # a person waiting; scripts reading stderr get nothing new
+            print("mlxspec: building its CPU ops (once, ~10 s)", file=sys.stderr, flush=True)
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
