@@ -22,7 +22,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -88,6 +87,13 @@ void softmax_rows(float *x, int rows, int n) {
   }
 }
 
+/* dst (rows, cols) row-major from src's element (i, j) at i * row_stride + j * col_stride. */
+void gather(float *dst, const float *src, int rows, int cols, int64_t row_stride,
+            int64_t col_stride) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) dst[(size_t)i * cols + j] = src[i * row_stride + j * col_stride];
+}
+
 struct Problem {
   int batch, heads, kv_heads, q_len, kv_len, dim;
   int mask_kind;
@@ -149,13 +155,11 @@ void attend_pair(const Plan &plan, int b, int kvh) {
   const float *kb = p.k + b * kst[0] + kvh * kst[1], *vb = p.v + b * vst[0] + kvh * vst[1];
   if (kt.copy) {
     kt_copy.resize((size_t)d * l);
-    for (int i = 0; i < d; ++i)
-      for (int j = 0; j < l; ++j) kt_copy[(size_t)i * l + j] = kb[j * kst[2] + i * kst[3]];
+    gather(kt_copy.data(), kb, d, l, kst[3], kst[2]);
   }
   if (vo.copy) {
     v_copy.resize((size_t)l * d);
-    for (int i = 0; i < l; ++i)
-      for (int j = 0; j < d; ++j) v_copy[(size_t)i * d + j] = vb[i * vst[2] + j * vst[3]];
+    gather(v_copy.data(), vb, l, d, vst[2], vst[3]);
   }
   if (!plan.q_direct && !qo.transposed) q_copy.resize((size_t)rows * d);
   const float *kt_ptr = kt.copy ? kt_copy.data() : kb, *v_ptr = vo.copy ? v_copy.data() : vb;
@@ -168,9 +172,7 @@ void attend_pair(const Plan &plan, int b, int kvh) {
     } else {
       if (!plan.q_direct)
         for (int r = 0; r < per_call; ++r)
-          for (int i = 0; i < lq; ++i)
-            for (int j = 0; j < d; ++j)
-              q_copy[((size_t)r * lq + i) * d + j] = qb[r * qst[1] + i * qst[2] + j * qst[3]];
+          gather(q_copy.data() + (size_t)r * lq * d, qb + r * qst[1], lq, d, qst[2], qst[3]);
       cblas_sgemm(ROW_MAJOR, NO_TRANS, plan.kt_trans, rows, l, d, 1.0f,
                   plan.q_direct ? qb : q_copy.data(), (int)(plan.q_direct ? plan.q_step : d),
                   kt_ptr, (int)kt.ld, 0.0f, scores.data(), l);

@@ -127,8 +127,7 @@ def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array]
     module = _state.get("module")
     if module is None or logits.ndim != 2 or logits.dtype != mx.float32 or 0 in logits.shape:
         return None
-    top, near = module.greedy_candidates(logits, float(tie))
-    return top, near
+    return tuple(module.greedy_candidates(logits, float(tie)))
 
 
 def _supported(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> bool:
@@ -250,9 +249,9 @@ def _load(path: Path) -> ModuleType:
 def _check(module: ModuleType) -> None:
     """The primitive against MLX's own on a small GQA case with a bool mask and a causal one:
     bitwise, or it stays off (another MLX version, another BLAS order, another SIMD width)."""
-    key = mx.random.key(0)
-    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i])
-               for i, shape in enumerate([(2, 4, 3, 16), (2, 2, 21, 16), (2, 2, 21, 16)]))
+    keys = mx.random.split(mx.random.key(0), 3)
+    q, k, v = (mx.random.normal(shape, key=key) for shape, key in
+               zip([(2, 4, 3, 16), (2, 2, 21, 16), (2, 2, 21, 16)], keys, strict=True))
     mask = mx.arange(21)[None, None, None, :] >= mx.array([0, 5])[:, None, None, None]
     reference = mx.fast.scaled_dot_product_attention
     try:

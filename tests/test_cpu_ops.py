@@ -17,10 +17,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mlxspec import blas, cpu_ops
 from mlxspec.engine_rows import GREEDY_TIE, greedy_candidates
+from tests.test_fused_ops import greedy_with_logprobs
 
 
 @pytest.fixture(autouse=True)
@@ -151,16 +151,10 @@ def test_gradients_are_mlx_own():
         assert np.array_equal(np.array(a), np.array(b))
 
 
-def mlx_greedy_candidates(logits):
-    top = mx.argmax(logits, axis=-1)
-    best = mx.take_along_axis(logits, top[:, None], axis=-1)
-    near = mx.sum(logits >= best - GREEDY_TIE, axis=-1)
-    return top, mx.where(mx.isfinite(best[:, 0]), near, 0)
-
-
 def test_greedy_candidates_are_mlx_own():
     """Ties, near-ties, NaN (first or later), infinities and signed zeros, contiguous rows and
-    strided ones: the argmax and the near-tie count as MLX's own ops compute them."""
+    strided ones: the argmax and the near-tie count as MLX's own ops compute them (the same
+    function with the primitives off)."""
     x = np.random.default_rng(0).standard_normal((15, 1000)).astype(np.float32)
     x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the first index
     x[2, 0] = np.nan  # a NaN first: index 0, no count
@@ -179,21 +173,17 @@ def test_greedy_candidates_are_mlx_own():
     logits = mx.array(x)
     cases = [logits, logits[:, ::3], logits[:, :17], logits[:, :1], logits[3:9, 5:900],
              mx.array(np.ascontiguousarray(x.T)).T]
-    for case in cases:
-        got, expected = greedy_candidates(case), mlx_greedy_candidates(case)
-        for a, b in zip(got, expected, strict=True):
+    got = [greedy_candidates(case) for case in cases]  # the primitive (lazy)
+    cpu_ops.disable()
+    assert cpu_ops.greedy_candidates(logits, GREEDY_TIE) is None  # MLX's own ops from here
+    expected = [greedy_candidates(case) for case in cases]
+    cpu_ops.enable()
+    for pair_got, pair_expected in zip(got, expected, strict=True):
+        for a, b in zip(pair_got, pair_expected, strict=True):
             assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
     top, near = greedy_candidates(logits)
     assert top.tolist()[:4] == [int(np.argmax(x[0])), 5, 0, 700]
     assert near.tolist()[:7] == [1, 2, 0, 0, 0, 0, 2]
-
-
-def _greedy(model, prompt: mx.array, steps: int) -> tuple[list[int], list[mx.array]]:
-    tokens, logprobs = [], []
-    for token, logprob in generate_step(prompt, model, max_tokens=steps):
-        tokens.append(int(token))
-        logprobs.append(logprob)
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
@@ -204,11 +194,11 @@ def test_a_real_model_decodes_bitwise_the_same(name, request):
     model, tokenizer = request.getfixturevalue(name)
     prompt = mx.array(tokenizer.encode("The lighthouse keeper opened the bottle and read"))
     routes = blas.product_routes()
-    ops_tokens, ops_logprobs = _greedy(model, prompt, 12)
+    ops_tokens, ops_logprobs = greedy_with_logprobs(model, prompt, 12)
     if routes is not None and blas.skinny_products().startswith("AVX"):
         assert blas.product_routes()["nn"] > routes["nn"]  # p v went to the shim's nn kernel
     cpu_ops.disable()
-    tokens, logprobs = _greedy(model, prompt, 12)
+    tokens, logprobs = greedy_with_logprobs(model, prompt, 12)
     assert ops_tokens == tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(ops_logprobs, logprobs, strict=True))
 

@@ -153,7 +153,7 @@ def test_enable_swaps_mx_fast_and_disable_puts_mlx_own_back(monkeypatch):
     assert fused_ops.describe().startswith("compiled")
 
 
-def _greedy(model, prompt: mx.array, steps: int) -> tuple[list[int], list[mx.array]]:
+def greedy_with_logprobs(model, prompt: mx.array, steps: int) -> tuple[list[int], list[mx.array]]:
     tokens, logprobs = [], []
     for token, logprob in generate_step(prompt, model, max_tokens=steps):
         tokens.append(int(token))
@@ -168,8 +168,8 @@ def test_a_real_model_decodes_bitwise_the_same(name, request):
     same tokens and bitwise the same log-probabilities at every step."""
     model, tokenizer = request.getfixturevalue(name)
     prompt = mx.array(tokenizer.encode("The lighthouse keeper opened the bottle and read"))
-    fused_tokens, fused_logprobs = _greedy(model, prompt, 12)
+    fused_tokens, fused_logprobs = greedy_with_logprobs(model, prompt, 12)
     fused_ops.disable()
-    tokens, logprobs = _greedy(model, prompt, 12)
+    tokens, logprobs = greedy_with_logprobs(model, prompt, 12)
     assert fused_tokens == tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(fused_logprobs, logprobs, strict=True))
