@@ -5,8 +5,8 @@
 Builds ``mlxspec/_blas_shim.c`` as it is and as it was at ``--base`` (``git show``), loads both
 with ctypes and times SmolLM2-135M's 211 float32 products per token (30 layers of q, k, v, o,
 gate, up and down, and the 49,152 x 576 output head; distinct random weights, 537 MB, so every
-product streams its weights from memory) through each build's ``cblas_sgemm``, in alternating
-order each round; medians per build and row count, and the ratio. The two builds' outputs are
+product streams its weights from memory; weights and inputs placed as MLX places them, past a
+cache line) through each build's ``cblas_sgemm``, in alternating order each round; medians per build and row count, and the ratio. The two builds' outputs are
 checked against each other (bitwise: the kernels' sums must not depend on their blocking).
 """
 
@@ -45,6 +45,17 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     return lib
 
 
+def placed(values: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of ``values`` whose data starts ``offset`` bytes past a 64-byte line, where MLX's
+    CPU allocator puts its arrays (8 bytes past malloc's pointer: 24 past a line for a weight,
+    40 or 56 for an activation), so that the kernels' loads split across lines as in MLX."""
+    raw = np.empty(values.size + 32, np.float32)
+    start = (-raw.ctypes.data % 64) // 4 + offset // 4
+    out = raw[start : start + values.size].reshape(values.shape)
+    out[...] = values
+    return out
+
+
 @click.command()
 @click.option("--base", default="HEAD", show_default=True, help="git revision to compare with")
 @click.option("--rows", default="1,4,8,12,16,21,24", show_default=True)
@@ -56,8 +67,8 @@ def main(base: str, rows: str, rounds: int, as_json: bool) -> None:
     new = (ROOT / SOURCE).read_text()
     row_counts = [int(r) for r in rows.split(",")]
     rng = np.random.default_rng(0)
-    weights = [rng.standard_normal(s, dtype=np.float32) for s in SHAPES]
-    inputs = {m: {k: rng.standard_normal((m, k), dtype=np.float32) for k in (576, 1536)}
+    weights = [placed(rng.standard_normal(s, dtype=np.float32), 24) for s in SHAPES]
+    inputs = {m: {k: placed(rng.standard_normal((m, k), dtype=np.float32), 40) for k in (576, 1536)}
               for m in row_counts}
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build(old, Path(tmp), "base"), "current": build(new, Path(tmp), "current")}

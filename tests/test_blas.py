@@ -265,6 +265,8 @@ arrays["column"] = (normal(6, 70), normal(70, 1))
 cases["column"] = lambda a, b: a @ b
 arrays["strided"] = (normal(4, 300), normal(50, 130))  # a's rows are 300 apart, k = 130
 cases["strided"] = lambda a, b: a[:, 100:230] @ b.T
+arrays["strided_20"] = (normal(20, 300), normal(50, 130))  # grouped rows: copied to aligned rows
+cases["strided_20"] = lambda a, b: a[:, 100:230] @ b.T
 arrays["addmm"] = (normal(3, 50), normal(40, 50))
 cases["addmm"] = lambda a, b: mx.addmm(mx.ones((3, 40)), a, b.T, alpha=0.5, beta=2.0)
 before = blas.product_routes()
@@ -318,8 +320,8 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
     names = sorted(k[4:] for k in saved.files if k.startswith("out_"))
     for name in names:
         a, b = saved[f"in_{name}_0"], saved[f"in_{name}_1"]
-        if name.startswith("nt") or name == "strided":
-            a, b = (a[:, 100:230], b.T) if name == "strided" else (a, b.T)
+        if name.startswith(("nt", "strided")):
+            a, b = (a[:, 100:230], b.T) if name.startswith("strided") else (a, b.T)
         elif name.startswith("tn"):
             a, b = a.T, b.T
         elif name == "addmm":
@@ -341,8 +343,8 @@ def test_skinny_products_match_float64(tmp_path, home, threads, skinny):
 
     flags = Path("/proc/cpuinfo").read_text() if platform.machine() == "x86_64" else ""
     rows = 8 if skinny == "rows:8" else 24
-    if "avx2" in flags:  # 1-24 (or 1-8) rows x 7 shapes, the strided product and addmm
-        assert report["routes"]["skinny"] == rows * 7 + 2
+    if "avx2" in flags:  # 1-24 (or 1-8) rows x 7 shapes, the strided products and addmm
+        assert report["routes"]["skinny"] == rows * 7 + 2 + (rows >= 20)
         kernel = "AVX-512 kernel (12" if "avx512f" in flags and skinny != "avx2" else "AVX2/FMA kernel (8"
         assert report["mode"].startswith(f"{kernel} rows at once) for 1-{rows} rows, {threads} thread")
         # nn_1, nn_3 and the column (b untransposed, <= 256 columns): the nn kernel
