@@ -18,7 +18,7 @@ from mlxspec.engine_requests import Event
 from mlxspec.engine_thread import EngineThread, Ticket
 
 STEP_SECONDS = 0.2  # the stand-in's decode step: RETURN_WAIT (0.3) of it is 60 ms
-CLIENT_SECONDS = 0.005  # a returning client's round trip: well inside that, even on a busy host
+CLIENT_SECONDS = 0.02  # a returning client's round trip: inside that window, after step 5 starts
 
 
 class RecordingEngine:
