@@ -6,8 +6,9 @@ Builds ``mlxspec/_blas_shim.c`` as it is and as it was at ``--base`` (``git show
 with ctypes and times SmolLM2-135M's 211 float32 products per token (30 layers of q, k, v, o,
 gate, up and down, and the 49,152 x 576 output head; distinct random weights, 537 MB, so every
 product streams its weights from memory; weights and inputs placed as MLX places them, past a
-cache line) through each build's ``cblas_sgemm``, in alternating order each round; medians per build and row count, and the ratio. The two builds' outputs are
-checked against each other (bitwise: the kernels' sums must not depend on their blocking).
+cache line) through each build's ``cblas_sgemm``, in alternating order each round; medians per
+build and row count, and the ratio. The two builds' outputs are checked against each other
+(bitwise: the kernels' sums must not depend on their blocking).
 """
 
 from __future__ import annotations

@@ -573,9 +573,10 @@ static void pool_run(int threads, unsigned long long chunks) {
  * CPU allocator puts an array's data 8 bytes past malloc's pointer (24 bytes past a 64-byte line
  * for a weight, 40 or 56 for an activation), so every 16-lane load of x spans two cache lines;
  * grouped rows load x once per block of W's rows and are compute-bound. SmolLM2's 211 products
- * from memory, x 40 and W 24 bytes past a line (as in MLX): 21 rows 54.8 against 59.0 ms, 24 rows
- * 57.9 / 62.7, 16 rows 48.3 / 49.1; up to 12 rows (one instance, x loaded once per 2-4 columns)
- * no gain measured, so no copy; W aligned made no difference from memory. The copy is m x k
+ * from memory, placed as in MLX (bench/skinny.py, bench/results/skinny_aligned_x_2026-12-03.json):
+ * 21 rows 58.1 against 61.6 ms, 24 rows 61.1 / 65.6, 16 rows no change; up to 12 rows (one
+ * instance, x loaded once per 2-4 columns) no gain measured, so no copy; W aligned made no
+ * difference from memory. The copy is m x k
  * floats; the values and their order in every sum are the same. The buffer is the calling
  * thread's (MLX's streams and the pool's workers each have one), grown to the largest x seen: at
  * most SKINNY_GROUPED_ROWS rows of the longest k. */

@@ -71,9 +71,10 @@ class _Solo:
     tokens: Any  # the token generator
 
 
-class _Rate:
+class Rate:
     """Tokens per second from a moving average of seconds per token (a speculative step's
-    tokens arrive together: the first carries the step's time, the others none)."""
+    tokens arrive together: the first carries the step's time, the others none); ``seconds``:
+    that average (None before the first measurement)."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None
@@ -136,7 +137,7 @@ class Engine:
         self._solo: _Solo | None = None
         self._ids = itertools.count()
         self._samplers: dict[SamplingParams, Any] = {}
-        self.solo_rate, self.plain_rate = _Rate(), _Rate()  # one stream: speculative vs batched
+        self.solo_rate, self.plain_rate = Rate(), Rate()  # one stream: speculative vs batched
         self._plain_since_loss = 0
         self.tokens_generated = 0
         self.peak_streams = 0  # the most streams active at once (a statistic)

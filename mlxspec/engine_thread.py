@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxspec.engine import Engine
+from mlxspec.engine import Engine, Rate
 from mlxspec.openai_api import ApiError, Completion
 
 log = logging.getLogger("mlxspec.serve")
@@ -33,7 +33,6 @@ POLL_SECONDS = 0.05  # how often a waiting connection (or the idle engine) check
 # Python) is still built in time; a request that comes back within it joins one step sooner
 # (prefilled in the next step instead of the one after) instead of its row decoding for nobody.
 RETURN_WAIT = 0.3
-EMA = 0.2  # weight of the newest step in the step-time average
 
 
 @dataclass
@@ -56,7 +55,7 @@ class EngineThread(threading.Thread):
         self.tickets: dict[int, Ticket] = {}
         self._halt = threading.Event()
         self.failed: str | None = None
-        self.step_seconds: float | None = None  # moving average of the time between steps
+        self.step_time = Rate()  # the time between steps' starts, as a moving average
         self._last_step: float | None = None  # when the last step started (None: idle since)
 
     def submit(self, ticket: Ticket) -> None:
@@ -89,8 +88,8 @@ class EngineThread(threading.Thread):
                     if event.finish_reason is not None:
                         del self.tickets[event.rid]
                         finished += 1
-            if finished and self.engine.streams and self.step_seconds is not None:
-                self._await_returns(finished, RETURN_WAIT * self.step_seconds)
+            if finished and self.engine.streams and self.step_time.seconds is not None:
+                self._await_returns(finished, RETURN_WAIT * self.step_time.seconds)
         self._fail_all("the server is shutting down")
         self.engine.close()
         mx.clear_streams()  # MLX's per-thread streams must go before the interpreter does
@@ -99,9 +98,7 @@ class EngineThread(threading.Thread):
         """Note a step starting at ``start``: the time from the last one's start is a step's
         (the forward computing while the thread waits in ``_await_returns`` included)."""
         if self._last_step is not None:
-            seconds = start - self._last_step
-            self.step_seconds = seconds if self.step_seconds is None else (
-                (1 - EMA) * self.step_seconds + EMA * seconds)
+            self.step_time.add(1, start - self._last_step)
         self._last_step = start
 
     def _await_returns(self, count: int, seconds: float) -> None:
