@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
-from mlxspec import blas, cpu_jit, cpu_ops, fused_ops, paths
+from mlxspec import blas, cpu_jit, cpu_ops, fused_ops, huge_pages, paths
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -324,6 +324,8 @@ def load(
     check_vocabulary(nn_model, tokenizer, config, model_dir)
     fused_ops.enable()  # CPU-only MLX: RoPE and RMSNorm as compiled kernels, the same bits
     cpu_ops.enable()  # CPU-only MLX: attention (and the greedy argmax) as single ops, the same bits
+    if not lazy:
+        huge_pages.back_weights(nn_model)  # Linux CPU: weights onto 2 MB pages (a background thread)
     blas.refresh_threads()  # Linux: the BLAS threads sized again, past the start-up's own load
     return nn_model, tokenizer
 
