@@ -60,7 +60,11 @@ def back_weights(model: nn.Module, *, wait: bool = False) -> threading.Thread | 
     """
     if not applies():
         return None
-    stretches = weight_stretches(model)
+    try:
+        stretches = weight_stretches(model)
+    except (TypeError, ValueError, BufferError) as e:  # a speed-up only: loading goes on
+        _state["why"] = f"weights not moved: {e}"
+        return None
     thread = threading.Thread(target=_advise, args=(stretches,), name="mlxspec-huge-pages",
                               daemon=True)
     thread.start()
@@ -74,11 +78,11 @@ def weight_stretches(model: nn.Module) -> list[tuple[int, int]]:
     ``MAX_GAP`` apart merged; the 2 MB-aligned part of each is what can move."""
     ranges = []
     for _, weight in tree_flatten(model.parameters()):
-        if weight.nbytes == 0:
+        if not isinstance(weight, mx.array) or weight.nbytes == 0:
             continue
-        view = memoryview(weight)  # the array's own buffer (no copy; evaluates a lazy weight)
-        ranges.append((ctypes.addressof(ctypes.c_char.from_buffer(view)), weight.nbytes))
-        view.release()
+        with memoryview(weight) as view:  # the array's own buffer (no copy)
+            if view.c_contiguous and not view.readonly:  # a strided view of another array is left out
+                ranges.append((ctypes.addressof(ctypes.c_char.from_buffer(view)), weight.nbytes))
     merged: list[list[int]] = []
     for start, size in sorted(ranges):
         if merged and start - merged[-1][1] <= MAX_GAP:
@@ -108,5 +112,5 @@ def describe() -> str:
         return f"off ({SWITCH}=0, not Linux, Metal, or THP set to never)"
     moved = _state.get("moved")
     if moved is None:
-        return "on (no model moved yet)"
+        return f"on ({_state.get('why', 'no model moved yet')})"
     return f"on: {moved / 1e6:.0f} MB of weights on 2 MB pages; {SWITCH}=0 turns it off"
