@@ -23,12 +23,13 @@ import click
 CHILD = """
 import json, re, statistics, sys, threading, time
 import mlxspec
+from mlxspec import huge_pages
 from mlxspec.engine import Engine
 from mlxspec.engine_requests import Request
 rows, steps, model_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] or None
 model, tokenizer = mlxspec.load(model_dir)
 for thread in threading.enumerate():
-    if thread.name == "mlxspec-huge-pages":
+    if thread.name == huge_pages.THREAD_NAME:
         thread.join()
 topics = ["the sea", "a city at night", "how bread is made", "the history of clocks",
           "why leaves change color", "a long train journey", "volcanoes", "the first computers"]

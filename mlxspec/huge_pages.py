@@ -38,6 +38,7 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
 # gaps move to huge pages with them)
 MAX_GAP = 1 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THREAD_NAME = "mlxspec-huge-pages"  # the background thread (a benchmark joins it before timing)
 
 _state: dict[str, object] = {}  # "why" it does nothing here, "moved" bytes once a thread is done
 
@@ -65,7 +66,7 @@ def back_weights(model: nn.Module, *, wait: bool = False) -> threading.Thread | 
     except (TypeError, ValueError, BufferError) as e:  # a speed-up only: loading goes on
         _state["why"] = f"weights not moved: {e}"
         return None
-    thread = threading.Thread(target=_advise, args=(stretches,), name="mlxspec-huge-pages",
+    thread = threading.Thread(target=_advise, args=(stretches,), name=THREAD_NAME,
                               daemon=True)
     thread.start()
     if wait:
@@ -74,7 +75,7 @@ def back_weights(model: nn.Module, *, wait: bool = False) -> threading.Thread | 
 
 
 def weight_stretches(model: nn.Module) -> list[tuple[int, int]]:
-    """The model's weights as address ranges ``[start, end)``, neighbours less than
+    """The model's weights as address ranges ``[start, end)``, neighbours at most
     ``MAX_GAP`` apart merged; the 2 MB-aligned part of each is what can move."""
     ranges = []
     for _, weight in tree_flatten(model.parameters()):
