@@ -55,11 +55,41 @@ print(json.dumps({"median_ms": 1000 * statistics.median(times), "steps": len(tim
 """
 
 
-def run(rows: int, steps: int, model: str | None, huge: bool) -> dict:
-    env = dict(os.environ, MLXSPEC_HUGE_PAGES="1" if huge else "0")
+def run(rows: int, steps: int, model: str | None, env: dict[str, str]) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, str(rows), str(steps), model or ""],
-                         env=env, capture_output=True, text=True, check=True).stdout
+                         env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def side_by_side(variants: dict[str, dict[str, str]], counts: list[int], rounds: int, steps: int,
+                 model: str | None) -> dict:
+    """Median engine step per row count for two variants (name -> extra environment), run in
+    turns, the order reversed every other round; the second variant's ratio to the first."""
+    (a, b) = variants
+    runs: dict[tuple[int, str], list[dict]] = {(m, v): [] for m in counts for v in variants}
+    for r in range(rounds):
+        for m in counts:
+            for name in ((a, b) if r % 2 == 0 else (b, a)):
+                runs[m, name].append(run(m, steps, model, variants[name]))
+                print(f"round {r + 1}: {m} rows, {name}: {runs[m, name][-1]['median_ms']:.1f} ms",
+                      file=sys.stderr, flush=True)
+    result = {"rounds": rounds, "steps": steps, "cpu_count": os.cpu_count(),
+              "loadavg": Path("/proc/loadavg").read_text().split()[:3], "rows": []}
+    for m in counts:
+        row: dict = {"rows": m}
+        medians = {}
+        for name in variants:
+            times = [x["median_ms"] for x in runs[m, name]]
+            medians[name] = statistics.median(times)
+            row[f"{name}_ms"] = round(medians[name], 2)
+        row[f"{b}_vs_{a}"] = round(medians[b] / medians[a], 3)
+        for name in variants:
+            row[f"{name}_rounds"] = [round(x["median_ms"], 2) for x in runs[m, name]]
+        for name in variants:
+            row[f"huge_mb_{name}"] = round(statistics.median(x["huge_mb"] for x in runs[m, name]))
+        result["rows"].append(row)
+    return result
 
 
 @click.command()
@@ -69,25 +99,8 @@ def run(rows: int, steps: int, model: str | None, huge: bool) -> dict:
 @click.option("--steps", default=64, show_default=True)
 @click.option("--out", default=None, help="also write the JSON here")
 def main(model: str | None, rows: str, rounds: int, steps: int, out: str | None) -> None:
-    counts = [int(r) for r in rows.split(",")]
-    runs: dict[tuple[int, bool], list[dict]] = {(m, h): [] for m in counts for h in (False, True)}
-    for r in range(rounds):
-        for m in counts:
-            for huge in ((False, True) if r % 2 == 0 else (True, False)):
-                runs[m, huge].append(run(m, steps, model, huge))
-                print(f"round {r + 1}: {m} rows, huge pages {'on' if huge else 'off'}: "
-                      f"{runs[m, huge][-1]['median_ms']:.1f} ms", file=sys.stderr, flush=True)
-    result = {"rounds": rounds, "steps": steps, "cpu_count": os.cpu_count(),
-              "loadavg": Path("/proc/loadavg").read_text().split()[:3], "rows": []}
-    for m in counts:
-        off, on = ([x["median_ms"] for x in runs[m, h]] for h in (False, True))
-        result["rows"].append({
-            "rows": m, "off_ms": round(statistics.median(off), 2),
-            "on_ms": round(statistics.median(on), 2),
-            "on_vs_off": round(statistics.median(on) / statistics.median(off), 3),
-            "off_rounds": [round(x, 2) for x in off], "on_rounds": [round(x, 2) for x in on],
-            "huge_mb_on": round(statistics.median(x["huge_mb"] for x in runs[m, True])),
-            "huge_mb_off": round(statistics.median(x["huge_mb"] for x in runs[m, False]))})
+    variants = {"off": {"MLXSPEC_HUGE_PAGES": "0"}, "on": {"MLXSPEC_HUGE_PAGES": "1"}}
+    result = side_by_side(variants, [int(r) for r in rows.split(",")], rounds, steps, model)
     text = json.dumps(result, indent=2)
     if out:
         Path(out).write_text(text + "\n")

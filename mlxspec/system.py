@@ -16,7 +16,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
     """
     import mlx.core as mx
 
-    from mlxspec import __version__, blas, cpu_jit, cpu_ops, fused_ops, huge_pages
+    from mlxspec import __version__, allocator, blas, cpu_jit, cpu_ops, fused_ops, huge_pages
     from mlxspec.load import default_model_path
 
     report: dict[str, Any] = {
@@ -31,6 +31,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         "cpu_jit": cpu_jit.describe(),
         "cpu_ops": cpu_ops.describe(),
         "huge_pages": huge_pages.describe(),
+        "allocator": allocator.describe(),
     }
     try:
         from mlxspec.quant import kernels, layers
