@@ -579,9 +579,14 @@ static void pool_run(int threads, unsigned long long chunks) {
  * difference from memory. The copy is m x k
  * floats; the values and their order in every sum are the same. The buffer is the calling
  * thread's (MLX's streams and the pool's workers each have one), grown to the largest x seen: at
- * most SKINNY_GROUPED_ROWS rows of the longest k. */
+ * most SKINNY_GROUPED_ROWS rows of the longest k, freed when the thread ends. */
 static __thread float *aligned_x;
 static __thread size_t aligned_x_floats;
+/* The buffer is also the value of a thread-specific key whose destructor frees it: a thread that
+ * ends (a short-lived one calling MLX, a stream torn down) gives its buffer back. */
+static pthread_key_t aligned_x_key;
+static pthread_once_t aligned_x_once = PTHREAD_ONCE_INIT;
+static void aligned_x_key_create(void) { pthread_key_create(&aligned_x_key, free); }
 
 static const float *aligned_rows(int m, int k, const float *a, int *lda) {
   if (m <= skinny_rows || (((uintptr_t)a & 63) == 0 && (*lda & 15) == 0)) return a;
@@ -592,6 +597,8 @@ static const float *aligned_rows(int m, int k, const float *a, int *lda) {
     if (posix_memalign((void **)&grown, 64, need * sizeof(float)) != 0) return a;
     free(aligned_x);
     aligned_x = grown, aligned_x_floats = need;
+    pthread_once(&aligned_x_once, aligned_x_key_create);
+    pthread_setspecific(aligned_x_key, aligned_x);
   }
   for (int i = 0; i < m; ++i)
     memcpy(aligned_x + (size_t)i * stride, a + (size_t)i * *lda, (size_t)k * sizeof(float));
