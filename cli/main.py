@@ -145,9 +145,6 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    from mlxspec import allocator
-
-    allocator.reexec_on_mimalloc()  # Linux: once, before anything is loaded
     cli()
 
 

@@ -21,8 +21,11 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
+from mlxspec import allocator as _allocator
 from mlxspec import blas as _blas
 
+if _allocator.launched_as_command():  # Linux: the command starts over once, on mimalloc
+    _allocator.reexec_on_mimalloc()
 _blas.setup()
 
 # The version, written once: pyproject.toml reads it from here (tool.setuptools.dynamic).

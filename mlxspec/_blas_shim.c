@@ -585,8 +585,15 @@ static __thread size_t aligned_x_floats;
 /* The buffer is also the value of a thread-specific key whose destructor frees it: a thread that
  * ends (a short-lived one calling MLX, a stream torn down) gives its buffer back. */
 static pthread_key_t aligned_x_key;
+static int aligned_x_keyed; /* the key exists (pthread_key_create succeeded) */
 static pthread_once_t aligned_x_once = PTHREAD_ONCE_INIT;
-static void aligned_x_key_create(void) { pthread_key_create(&aligned_x_key, free); }
+static void aligned_x_release(void *buffer) {
+  free(buffer);
+  aligned_x = NULL, aligned_x_floats = 0; /* a later destructor calling BLAS starts afresh */
+}
+static void aligned_x_key_create(void) {
+  aligned_x_keyed = pthread_key_create(&aligned_x_key, aligned_x_release) == 0;
+}
 
 static const float *aligned_rows(int m, int k, const float *a, int *lda) {
   if (m <= skinny_rows || (((uintptr_t)a & 63) == 0 && (*lda & 15) == 0)) return a;
@@ -598,7 +605,7 @@ static const float *aligned_rows(int m, int k, const float *a, int *lda) {
     free(aligned_x);
     aligned_x = grown, aligned_x_floats = need;
     pthread_once(&aligned_x_once, aligned_x_key_create);
-    pthread_setspecific(aligned_x_key, aligned_x);
+    if (aligned_x_keyed) pthread_setspecific(aligned_x_key, aligned_x);
   }
   for (int i = 0; i < m; ++i)
     memcpy(aligned_x + (size_t)i * stride, a + (size_t)i * *lda, (size_t)k * sizeof(float));

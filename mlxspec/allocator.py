@@ -10,11 +10,15 @@ engine decode steps: 1 stream 30.9 -> 27.3 ms, 8 streams 44.0 -> 36.6 ms. The ar
 order of every operation are the same, so every output is bitwise the same.
 
 The allocator of a process can only be chosen when it starts (``LD_PRELOAD``), so the command
-executes itself again once, at once and before anything is loaded, with mimalloc preloaded
-(PyTorch's and Intel's CPU launchers do the same for jemalloc and tcmalloc). In the new process
-``LD_PRELOAD`` is put back as the user had it, so the programs mlxspec starts are not affected.
+executes itself again once, with mimalloc preloaded (PyTorch's and Intel's CPU launchers do the
+same for jemalloc and tcmalloc). ``mlxspec/__init__.py`` does it first thing, before the BLAS
+set-up and before MLX is imported, and only when the process is the ``mlxspec`` command (its
+console script, or ``python -m mlxspec.cli.main``): a program that imports mlxspec, or calls
+the command's ``main()``, is never replaced. In the new process ``LD_PRELOAD`` is put back as the
+user had it, so the programs mlxspec starts are not affected.
 
-- ``MLXSPEC_MIMALLOC=0`` keeps glibc's allocator.
+- ``MLXSPEC_MIMALLOC=0`` keeps glibc's allocator; an allocator the user preloads (jemalloc,
+  tcmalloc, mimalloc) is kept.
 - Nothing happens off Linux (Metal buffers do not come from ``malloc``) or when the
   ``cmeel-mimalloc`` wheel is missing; ``mlxspec doctor`` says which allocator runs.
 - A script that imports mlxspec keeps the allocator it was started with; to run one on mimalloc:
@@ -27,6 +31,8 @@ import os
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
+
+from mlxspec.switches import OFF, turned_off
 
 SWITCH = "MLXSPEC_MIMALLOC"
 # Set for the one re-execution: the user's own LD_PRELOAD (possibly empty), to be put back.
@@ -51,6 +57,18 @@ def library_path() -> Path | None:
     return None
 
 
+def launched_as_command() -> bool:
+    """Whether this process is the ``mlxspec`` command: its console script (``sys.argv[0]`` is
+    the script while the package is imported) or ``python -m mlxspec.cli.main``."""
+    if not sys.argv:
+        return False
+    if Path(sys.argv[0]).name == "mlxspec":
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return sys.argv[0] == "-m" and "-m" in argv and argv[argv.index("-m") + 1:][:1] == [
+        "mlxspec.cli.main"]
+
+
 def in_use() -> bool:
     """Whether mimalloc is mapped into this process (so it serves ``malloc``: it can only get
     here preloaded, as nothing else in mlxspec loads it)."""
@@ -73,25 +91,30 @@ def reexec_environment(environ: MutableMapping[str, str]) -> dict[str, str] | No
         else:
             environ.pop("LD_PRELOAD", None)
         return None
-    if environ.get(SWITCH, "1") == "0" or in_use():
+    user_preload = environ.get("LD_PRELOAD", "")
+    if (environ.get(SWITCH, "").strip().lower() in OFF or in_use()
+            or "malloc" in user_preload):  # the user's own allocator (jemalloc, tcmalloc) stays
         return None
     library = library_path()
-    if library is None:
+    if library is None or any(c in str(library) for c in " :"):  # LD_PRELOAD splits at those
         return None
-    user_preload = environ.get("LD_PRELOAD", "")
     return {**environ, USER_PRELOAD: user_preload,
             "LD_PRELOAD": f"{library}:{user_preload}" if user_preload else str(library)}
 
 
 def reexec_on_mimalloc() -> None:
     """Replace this process by the same command on mimalloc, when that applies (see the module
-    docstring). Call first thing in the console script: nothing may have run yet."""
+    docstring). Only for the ``mlxspec`` command (``launched_as_command``), before anything has
+    run: the process starts over from its command line."""
     environment = reexec_environment(os.environ)
-    if environment is None:
+    if environment is None or not sys.executable or not getattr(sys, "orig_argv", None):
         return
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     try:
         os.execve(sys.executable, sys.orig_argv, environment)
-    except OSError:  # cannot execute the interpreter again: go on with glibc's allocator
+    except (OSError, ValueError):  # cannot execute the interpreter again: go on with glibc's
         return
 
 
@@ -101,8 +124,10 @@ def describe() -> str:
         return "mimalloc (the mlxspec command preloads it; MLXSPEC_MIMALLOC=0 keeps glibc's)"
     if not sys.platform.startswith("linux"):
         return "the system's"
-    if os.environ.get(SWITCH, "1") == "0":
+    if turned_off(SWITCH):
         return f"glibc's ({SWITCH}=0)"
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return "the one preloaded by the user (LD_PRELOAD)"
     if library_path() is None:
         return "glibc's (cmeel-mimalloc is not installed; pip install cmeel-mimalloc)"
     return ("glibc's: only the mlxspec command runs on mimalloc; for a script: "

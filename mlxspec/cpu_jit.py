@@ -42,6 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxspec import paths
+from mlxspec.switches import turned_off
 
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math", "-fno-strict-aliasing", "-finline-limit=2000")
@@ -94,7 +95,7 @@ def kernel_dir() -> Path:
 def _switched_off() -> bool:
     from mlxspec import fused_ops  # its switch turns this off too
 
-    return fused_ops.turned_off("MLXSPEC_JIT_FLAGS") or fused_ops.turned_off()
+    return turned_off("MLXSPEC_JIT_FLAGS") or turned_off(fused_ops.SWITCH)
 
 
 def enable() -> bool:

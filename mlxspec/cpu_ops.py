@@ -42,7 +42,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from mlxspec import cpu_jit, fused_ops, paths
+from mlxspec import cpu_jit, paths
+from mlxspec.switches import turned_off
 
 SOURCE = Path(__file__).with_name("_cpu_ops.cpp")
 MODULE_NAME = "_mlxspec_cpu_ops"  # NB_MODULE's name in SOURCE
@@ -64,7 +65,7 @@ def enable() -> bool:
     """
     if "module" in _state:
         return True
-    if fused_ops.turned_off(SWITCH) or mx.metal.is_available():
+    if turned_off(SWITCH) or mx.metal.is_available():
         return False
     try:
         module = _load(library())
@@ -95,7 +96,7 @@ def describe() -> str:
     if enabled():
         return (f"single ops ({SOURCE.name}), bitwise MLX's own compositions; "
                 f"{SWITCH}=0 turns them off")
-    if fused_ops.turned_off(SWITCH):
+    if turned_off(SWITCH):
         return f"MLX's own compositions ({SWITCH}=0)"
     if "why" in _state:
         return f"MLX's own compositions ({_state['why']})"

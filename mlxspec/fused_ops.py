@@ -30,12 +30,14 @@ functions; where Metal is available nothing changes (those functions are real ke
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlxspec.switches import turned_off
+
+SWITCH = "MLXSPEC_FUSED_OPS"  # =0: MLX's own functions (and no JIT build: mlxspec.cpu_jit)
 # Token positions (the second-to-last axis) up to which an input takes the compiled path.
 MAX_FUSED_TOKENS = 64
 
@@ -47,12 +49,6 @@ def _jit_available() -> bool:
     return shutil.which("g++") is not None
 
 
-def turned_off(variable: str = "MLXSPEC_FUSED_OPS") -> bool:
-    """Whether ``variable`` is set to 0/off/false/no. ``MLXSPEC_FUSED_OPS=0``: MLX's own functions
-    and JIT build (``mlxspec.cpu_jit`` reads it, and its own ``MLXSPEC_JIT_FLAGS``, through here)."""
-    return os.environ.get(variable, "").strip().lower() in ("0", "off", "false", "no")
-
-
 def enable() -> bool:
     """Put the compiled RoPE and RMSNorm in ``mx.fast`` where MLX runs them as op graphs.
 
@@ -61,7 +57,7 @@ def enable() -> bool:
     """
     if _reference:
         return True
-    if turned_off() or mx.metal.is_available() or not _jit_available():
+    if turned_off(SWITCH) or mx.metal.is_available() or not _jit_available():
         return False
     _reference.update(rope=mx.fast.rope, rms_norm=mx.fast.rms_norm)
     mx.fast.rope, mx.fast.rms_norm = rope, rms_norm
@@ -83,7 +79,7 @@ def describe() -> str:
     """What ``mlxspec.load`` does with RoPE and RMSNorm in this process (for ``mlxspec doctor``)."""
     if mx.metal.is_available():
         return "MLX's own (Metal kernels)"
-    if turned_off() and not _reference:
+    if turned_off(SWITCH) and not _reference:
         return "MLX's own op graphs (MLXSPEC_FUSED_OPS=0)"
     if not _jit_available():
         return "MLX's own op graphs (no g++ for MLX's CPU compiler)"

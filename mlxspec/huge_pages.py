@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxspec import fused_ops
+from mlxspec.switches import turned_off
 
 SWITCH = "MLXSPEC_HUGE_PAGES"
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KB base pages) transparent huge page
@@ -45,7 +45,7 @@ _state: dict[str, object] = {}  # "why" it does nothing here, "moved" bytes once
 
 def applies() -> bool:
     """Whether weights are moved here: Linux, no Metal, THP not off, not switched off."""
-    if fused_ops.turned_off(SWITCH) or sys.platform != "linux" or mx.metal.is_available():
+    if turned_off(SWITCH) or sys.platform != "linux" or mx.metal.is_available():
         return False
     try:
         return "[never]" not in THP_SETTING.read_text()

@@ -67,7 +67,33 @@ def test_the_switch_keeps_glibc():
     assert out["in_use"] is False
 
 
-def test_reexec_environment_runs_once():
+@needs_mimalloc
+@pytest.mark.parametrize("launch", ["console-script", "python-m"])
+def test_the_mlxspec_command_reports_mimalloc(launch):
+    """The command as users start it runs on mimalloc (the re-execution in mlxspec/__init__.py);
+    calling its main() from another program replaces nothing."""
+    command = {"console-script": [MLXSPEC],
+               "python-m": [sys.executable, "-m", "mlxspec.cli.main"]}[launch]
+    environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    result = subprocess.run([*command, "doctor", "--no-measure", "--json"], capture_output=True,
+                            text=True, env=environment, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["allocator"].startswith("mimalloc")
+    assert result.stderr.count("warning") == 0  # nothing said twice (or at all) on the way
+
+
+def test_calling_main_from_a_program_does_not_restart_it():
+    code = ("import sys\nfrom mlxspec.cli.main import main\n"
+            "sys.argv = ['mlxspec', 'doctor', '--no-measure', '--json']\nmain()\n")
+    environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=environment, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not json.loads(result.stdout)["allocator"].startswith("mimalloc")
+
+
+def test_reexec_environment_runs_once(monkeypatch):
+    monkeypatch.setattr(allocator, "in_use", lambda: False)  # as if pytest ran on glibc
     environ = {"LD_PRELOAD": "/opt/user.so", "HOME": "/h"}
     first = allocator.reexec_environment(environ)
     if LIBRARY is None:
@@ -84,6 +110,9 @@ def test_reexec_environment_runs_once():
     assert second["LD_PRELOAD"] == str(LIBRARY) and second[allocator.USER_PRELOAD] == ""
     assert allocator.reexec_environment(second) is None and "LD_PRELOAD" not in second
     assert allocator.reexec_environment({allocator.SWITCH: "0"}) is None
+    assert allocator.reexec_environment({allocator.SWITCH: " Off "}) is None
+    # An allocator the user preloads stays the one that runs.
+    assert allocator.reexec_environment({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) is None
 
 
 @needs_mimalloc
