@@ -11,21 +11,13 @@ allocator the in-process ceiling of batching, ``rows x one-row step / rows-row s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import click
-from huge_pages import side_by_side
+from huge_pages import report, side_by_side, step_options
 
 from mlxspec import allocator
 
 
-@click.command()
-@click.option("--model", default=None, help="model directory (default: SmolLM2)")
-@click.option("--rows", default="1,8", show_default=True)
-@click.option("--rounds", default=4, show_default=True)
-@click.option("--steps", default=64, show_default=True)
-@click.option("--out", default=None, help="also write the JSON here")
+@step_options
 def main(model: str | None, rows: str, rounds: int, steps: int, out: str | None) -> None:
     library = allocator.library_path()
     if library is None:
@@ -40,10 +32,7 @@ def main(model: str | None, rows: str, rounds: int, steps: int, out: str | None)
             row["batching_ceiling"] = {
                 name: round(row["rows"] * one[f"{name}_ms"] / row[f"{name}_ms"], 2)
                 for name in variants}
-    text = json.dumps(result, indent=2)
-    if out:
-        Path(out).write_text(text + "\n")
-    print(text)
+    report(result, out)
 
 
 if __name__ == "__main__":

@@ -92,19 +92,32 @@ def side_by_side(variants: dict[str, dict[str, str]], counts: list[int], rounds:
     return result
 
 
-@click.command()
-@click.option("--model", default=None, help="model directory (default: SmolLM2)")
-@click.option("--rows", default="1,8", show_default=True)
-@click.option("--rounds", default=4, show_default=True)
-@click.option("--steps", default=64, show_default=True)
-@click.option("--out", default=None, help="also write the JSON here")
-def main(model: str | None, rows: str, rounds: int, steps: int, out: str | None) -> None:
-    variants = {"off": {"MLXSPEC_HUGE_PAGES": "0"}, "on": {"MLXSPEC_HUGE_PAGES": "1"}}
-    result = side_by_side(variants, [int(r) for r in rows.split(",")], rounds, steps, model)
+def step_options(command):
+    """The command-line options of a side-by-side run (here and in bench/allocator.py)."""
+    for option in reversed([
+        click.command(),
+        click.option("--model", default=None, help="model directory (default: SmolLM2)"),
+        click.option("--rows", default="1,8", show_default=True),
+        click.option("--rounds", default=4, show_default=True),
+        click.option("--steps", default=64, show_default=True),
+        click.option("--out", default=None, help="also write the JSON here"),
+    ]):
+        command = option(command)
+    return command
+
+
+def report(result: dict, out: str | None) -> None:
+    """The result as JSON on stdout, and in ``out`` if given."""
     text = json.dumps(result, indent=2)
     if out:
         Path(out).write_text(text + "\n")
     print(text)
+
+
+@step_options
+def main(model: str | None, rows: str, rounds: int, steps: int, out: str | None) -> None:
+    variants = {"off": {"MLXSPEC_HUGE_PAGES": "0"}, "on": {"MLXSPEC_HUGE_PAGES": "1"}}
+    report(side_by_side(variants, [int(r) for r in rows.split(",")], rounds, steps, model), out)
 
 
 if __name__ == "__main__":
