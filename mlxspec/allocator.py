@@ -6,7 +6,7 @@ it. glibc serves those from per-thread arenas behind a lock, maps the large ones
 and hands their pages back, so a decode step pays for locks, page faults and zeroing that have
 nothing to do with the model. mimalloc keeps freed memory per thread, frees across threads
 without a lock and backs its arenas with 2 MB pages. Measured on SmolLM2 (bench/allocator.py),
-engine decode steps: 1 stream 30.9 -> 27.3 ms, 8 streams 44.0 -> 36.6 ms. The arithmetic and the
+engine decode steps: 1 stream 32.0 -> 27.1 ms, 8 streams 44.0 -> 37.4 ms. The arithmetic and the
 order of every operation are the same, so every output is bitwise the same.
 
 The allocator of a process can only be chosen when it starts (``LD_PRELOAD``), so the command
@@ -32,7 +32,7 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from mlxspec.switches import OFF, turned_off
+from mlxspec.switches import turned_off
 
 SWITCH = "MLXSPEC_MIMALLOC"
 # Set for the one re-execution: the user's own LD_PRELOAD (possibly empty), to be put back.
@@ -69,6 +69,11 @@ def launched_as_command() -> bool:
         "mlxspec.cli.main"]
 
 
+def _user_allocator(preload: str) -> bool:
+    """Whether an ``LD_PRELOAD`` value preloads an allocator (jemalloc, tcmalloc, mimalloc)."""
+    return "malloc" in preload
+
+
 def in_use() -> bool:
     """Whether mimalloc is mapped into this process (so it serves ``malloc``: it can only get
     here preloaded, as nothing else in mlxspec loads it)."""
@@ -92,9 +97,8 @@ def reexec_environment(environ: MutableMapping[str, str]) -> dict[str, str] | No
             environ.pop("LD_PRELOAD", None)
         return None
     user_preload = environ.get("LD_PRELOAD", "")
-    if (environ.get(SWITCH, "").strip().lower() in OFF or in_use()
-            or "malloc" in user_preload):  # the user's own allocator (jemalloc, tcmalloc) stays
-        return None
+    if turned_off(SWITCH, environ) or in_use() or _user_allocator(user_preload):
+        return None  # switched off, already on mimalloc, or the user's own allocator stays
     library = library_path()
     if library is None or any(c in str(library) for c in " :"):  # LD_PRELOAD splits at those
         return None
@@ -126,7 +130,7 @@ def describe() -> str:
         return "the system's"
     if turned_off(SWITCH):
         return f"glibc's ({SWITCH}=0)"
-    if "malloc" in os.environ.get("LD_PRELOAD", ""):
+    if _user_allocator(os.environ.get("LD_PRELOAD", "")):
         return "the one preloaded by the user (LD_PRELOAD)"
     if library_path() is None:
         return "glibc's (cmeel-mimalloc is not installed; pip install cmeel-mimalloc)"

@@ -22,7 +22,7 @@ needs_mimalloc = pytest.mark.skipif(
     LIBRARY is None, reason="mimalloc is only used on Linux with the cmeel-mimalloc wheel")
 
 # Runs as `python -c PROBE`: re-executes itself exactly as the console script does, then reports
-# where malloc comes from, the environment it was left with, and its pid.
+# where malloc comes from and the environment it was left with.
 PROBE = """
 import ctypes, json, os
 from mlxspec import allocator
@@ -35,16 +35,19 @@ for line in open("/proc/self/maps"):
     if low <= address < high and len(fields) > 5:
         library = os.path.basename(fields[5])
 print(json.dumps({"malloc_from": library, "ld_preload": os.environ.get("LD_PRELOAD"),
-                  "marker": os.environ.get(allocator.USER_PRELOAD), "pid": os.getpid(),
-                  "in_use": allocator.in_use()}))
+                  "marker": os.environ.get(allocator.USER_PRELOAD), "in_use": allocator.in_use()}))
 """
 
 
+def environment(**env: str) -> dict[str, str]:
+    """This process's environment without any allocator setting of its own, plus ``env``."""
+    return {**{k: v for k, v in os.environ.items()
+               if k not in ("LD_PRELOAD", allocator.SWITCH, allocator.USER_PRELOAD)}, **env}
+
+
 def probe(**env: str) -> dict:
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("LD_PRELOAD", allocator.SWITCH, allocator.USER_PRELOAD)}
     result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                            env={**environment, **env}, timeout=60)
+                            env=environment(**env), timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -74,9 +77,8 @@ def test_the_mlxspec_command_reports_mimalloc(launch):
     calling its main() from another program replaces nothing."""
     command = {"console-script": [MLXSPEC],
                "python-m": [sys.executable, "-m", "mlxspec.cli.main"]}[launch]
-    environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     result = subprocess.run([*command, "doctor", "--no-measure", "--json"], capture_output=True,
-                            text=True, env=environment, timeout=120)
+                            text=True, env=environment(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["allocator"].startswith("mimalloc")
     assert result.stderr.count("warning") == 0  # nothing said twice (or at all) on the way
@@ -85,9 +87,8 @@ def test_the_mlxspec_command_reports_mimalloc(launch):
 def test_calling_main_from_a_program_does_not_restart_it():
     code = ("import sys\nfrom mlxspec.cli.main import main\n"
             "sys.argv = ['mlxspec', 'doctor', '--no-measure', '--json']\nmain()\n")
-    environment = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=environment, timeout=120)
+                            env=environment(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert not json.loads(result.stdout)["allocator"].startswith("mimalloc")
 
@@ -118,10 +119,10 @@ def test_reexec_environment_runs_once(monkeypatch):
 @needs_mimalloc
 def test_outputs_are_the_same_on_either_allocator(smollm2_dir):
     def generate(switch: str) -> dict:
-        env = {**os.environ, allocator.SWITCH: switch}
         result = subprocess.run(
             [MLXSPEC, "generate", "--prompt", "Name three rivers of Europe.", "--max-tokens",
-             "24", "--temp", "0", "--json"], capture_output=True, text=True, env=env, timeout=300)
+             "24", "--temp", "0", "--json"], capture_output=True, text=True,
+            env=environment(**{allocator.SWITCH: switch}), timeout=300)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
