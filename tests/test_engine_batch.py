@@ -267,3 +267,45 @@ def test_a_long_row_leaving_drops_the_padding_the_others_shared(smollm2, monkeyp
     assert compacted[0] == 2  # the long row left: the two short rows compacted, not retired
     assert shared_padding and max(shared_padding) < engine_rows.TRIM_PADDING
     assert texts == {rid: generate(model, tokenizer, p, max_tokens=n) for rid, (p, n) in rids.items()}
+
+
+def test_a_leaving_rows_cached_keys_and_values_are_its_own(smollm2, monkeypatch):
+    """A row leaving the batch (retired in place, its slot taken by the next row) puts its cache
+    in the prefix cache: the row's own keys and values, those of its tokens run alone through
+    the model (float32), the batch's padding and right-alignment gone."""
+    from mlxspec.cache import make_cache
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, max_batch=8)
+    queue = [(PROMPTS[0], 3), (PROMPTS[1], 9), (PROMPTS[2], 5), ("Once upon a time", 7),
+             (PROMPTS[3], 4)]
+    tokens = {}
+
+    def submit() -> None:
+        prompt, max_tokens = queue.pop(0)
+        rid = engine.submit(Request(prompt=tokenizer.encode(prompt), max_tokens=max_tokens))
+        tokens[rid] = tokenizer.encode(prompt)
+
+    for _ in range(3):
+        submit()
+    placed = []
+    place = engine_rows.BatchRows._place
+    monkeypatch.setattr(engine_rows.BatchRows, "_place", lambda self, slots, batch: (
+        placed.append(list(slots)), place(self, slots, batch))[1])
+    while engine.streams:
+        for event in engine.step():
+            if event.token is not None:
+                tokens[event.rid].append(event.token)
+            if event.finish_reason is not None and queue:
+                submit()
+    assert placed  # later rows decoded in the slots of rows that left
+    for rid, row_tokens in tokens.items():
+        cache, rest = engine.prompt_cache.fetch_nearest_cache(id(model), row_tokens)
+        assert cache is not None and rest == [], rid
+        alone = make_cache(model)
+        model(mx.array(row_tokens)[None], cache=alone)
+        for got, want in zip(cache, alone, strict=True):
+            assert got.offset == want.offset == len(row_tokens)
+            for a, b in ((got.keys, want.keys), (got.values, want.values)):
+                np.testing.assert_allclose(np.array(a[..., : got.offset, :]),
+                                           np.array(b[..., : want.offset, :]), atol=2e-4)
