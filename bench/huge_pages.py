@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 CHILD = """
-import json, re, statistics, sys, threading, time
+import json, os, re, statistics, sys, threading, time
 import mlxspec
 from mlxspec import huge_pages
 from mlxspec.engine import Engine
@@ -31,6 +31,11 @@ model, tokenizer = mlxspec.load(model_dir)
 for thread in threading.enumerate():
     if thread.name == huge_pages.THREAD_NAME:
         thread.join()
+checks = {}
+if os.environ.get("MLXSPEC_BENCH_PREPARE"):  # another benchmark's change to the model
+    namespace = {}
+    exec(os.environ["MLXSPEC_BENCH_PREPARE"], namespace)
+    checks = namespace["prepare"](model, tokenizer)
 topics = ["the sea", "a city at night", "how bread is made", "the history of clocks",
           "why leaves change color", "a long train journey", "volcanoes", "the first computers"]
 engine = Engine(model, tokenizer)
@@ -51,7 +56,7 @@ for _ in range(steps):
 rollup = open("/proc/self/smaps_rollup").read()
 huge = int(re.search(r"AnonHugePages:\\s+(\\d+)", rollup).group(1))
 print(json.dumps({"median_ms": 1000 * statistics.median(times), "steps": len(times),
-                  "huge_mb": huge / 1024}))
+                  "huge_mb": huge / 1024, "checks": checks}))
 """
 
 
@@ -88,6 +93,8 @@ def side_by_side(variants: dict[str, dict[str, str]], counts: list[int], rounds:
             row[f"{name}_rounds"] = [round(x["median_ms"], 2) for x in runs[m, name]]
         for name in variants:
             row[f"huge_mb_{name}"] = round(statistics.median(x["huge_mb"] for x in runs[m, name]))
+            if any(x.get("checks") for x in runs[m, name]):
+                row[f"checks_{name}"] = [x["checks"] for x in runs[m, name]]
         result["rows"].append(row)
     return result
 
