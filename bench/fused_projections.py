@@ -42,7 +42,7 @@ class Part(nn.Module):
     def __call__(self, x):
         g = self._group
         if g["x"] is not x:
-            g["x"], g["out"] = x, x @ g["part0"].weight.T
+            g["x"], g["out"] = x, x @ g["weight"].T
         return g["out"][..., self._start : self._stop]
 
 
@@ -50,12 +50,11 @@ def fuse(parent, names):
     linears = [parent[n] for n in names]
     weight = mx.concatenate([m.weight for m in linears])
     mx.eval(weight)
-    group, start = {"x": None, "out": None}, 0
+    # huge_pages moves weights where they are: the group's array stays the one in the tree
+    group, start = {"x": None, "out": None, "weight": weight}, 0
     for i, (name, m) in enumerate(zip(names, linears)):
         stop = start + m.weight.shape[0]
-        part = Part(group, start, stop, weight if i == 0 else None)
-        group[f"part{i}"] = part
-        parent[name] = part
+        parent[name] = Part(group, start, stop, weight if i == 0 else None)
         start = stop
 
 

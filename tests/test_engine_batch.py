@@ -10,6 +10,7 @@ import pytest
 import mlxspec.engine_batch as engine_batch
 import mlxspec.engine_rows as engine_rows
 from mlxspec.batch import batch_generate
+from mlxspec.cache import make_cache
 from mlxspec.engine import Engine
 from mlxspec.engine_requests import Request
 from mlxspec.engine_rows import greedy_candidates, greedy_tokens
@@ -273,8 +274,6 @@ def test_a_leaving_rows_cached_keys_and_values_are_its_own(smollm2, monkeypatch)
     """A row leaving the batch (retired in place, its slot taken by the next row) puts its cache
     in the prefix cache: the row's own keys and values, those of its tokens run alone through
     the model (float32), the batch's padding and right-alignment gone."""
-    from mlxspec.cache import make_cache
-
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer, max_batch=8)
     queue = [(PROMPTS[0], 3), (PROMPTS[1], 9), (PROMPTS[2], 5), ("Once upon a time", 7),
