@@ -104,6 +104,38 @@ def test_attention_is_bitwise_mlx_own(shape, layout, mask_kind):
     assert error.max() < 1e-5
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_a_rows_hidden_padding_is_not_read(mask_kind, q_len):
+    """A batch's rows are left-padded to its longest; each row's keys start after the padding
+    its mask hides (``hidden_prefix``). The proof: an infinite value in the hidden keys and
+    values changes nothing (MLX's own gives NaN there, 0 x inf), and each row's output is,
+    bitwise, MLX's own attention over that row's visible keys only; with finite padding it is
+    MLX's own over the whole padded batch."""
+    if blas._shim is None or not blas._shim.mlxspec_blas_skinny_mode() & 2:
+        pytest.skip("without the BLAS shim's kernels every key is read (BLAS may sum otherwise)")
+    batch, heads, kv_heads, length, dim = 3, 9, 3, 90, 64
+    pads = [0, 37, 70]  # the longest row, two that joined later
+    q, k, v = inputs(batch, heads, kv_heads, q_len, length, dim, "cache", seed=3)
+    visible = mx.arange(length)[None, :] >= mx.array(pads)[:, None]  # (batch, length)
+    causal = mx.arange(q_len)[:, None] + length - q_len >= mx.arange(length)[None, :]
+    mask = visible[:, None, None, :] & causal[None, None]  # (batch, 1, q_len, length)
+    if mask_kind == "additive":
+        mask = mx.where(mask, 0.0, -mx.inf).astype(mx.float32)
+    scale = dim**-0.5
+    finite = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    assert np.array_equal(np.array(finite), np.array(mlx_own(q, k, v, scale, mask)))
+    hidden = ~visible[:, None, :, None]  # (batch, 1, length, 1)
+    k_bad, v_bad = mx.where(hidden, mx.inf, k), mx.where(hidden, mx.inf, v)
+    got = np.array(mx.fast.scaled_dot_product_attention(q, k_bad, v_bad, scale=scale, mask=mask))
+    assert np.isnan(np.array(mlx_own(q, k_bad, v_bad, scale, mask))).any()  # they were read
+    assert np.array_equal(got, np.array(finite))
+    for b, pad in enumerate(pads):
+        alone = mlx_own(q[b : b + 1], k[b : b + 1, :, pad:], v[b : b + 1, :, pad:], scale,
+                        mask[b : b + 1, ..., pad:])
+        assert np.array_equal(got[b : b + 1], np.array(alone))
+
+
 def test_threads_do_not_change_the_numbers():
     """Large enough, the (row, KV head) pairs run on the BLAS shim's threads: one thread or
     several, MLX's own numbers."""
