@@ -25,8 +25,8 @@
 #include <dlfcn.h>
 
 #include <cmath>
-#include <limits>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -146,7 +146,8 @@ Plan plan_for(const Problem &p) {
   plan.rows = plan.per_call * lq;
   // The shim's kernels: q k^T one sum per key, p v one FMA chain per output from its first key
   // (BLAS proper may block a sum over keys differently once it starts elsewhere)
-  plan.skip_hidden = !plan.qo.transposed && independent && independent(NO_TRANS, plan.kt_trans, plan.rows, l) &&
+  plan.skip_hidden = !plan.qo.transposed && independent &&
+                     independent(NO_TRANS, plan.kt_trans, plan.rows, l) &&
                      independent(NO_TRANS, plan.v_trans, plan.rows, d);
   // A call's q rows (head r, query i at r * lq + i) in place when they are evenly spaced.
   plan.q_step = plan.per_call > 1 && lq == 1 ? qst[1] : plan.qo.ld;
