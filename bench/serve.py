@@ -588,8 +588,10 @@ def main() -> None:
 
         args.model = str(resolve_model_path(None))
     skip = set(args.skip.split(",")) - {""}
+    from mlxspec.system import cpu_model
+
     result = {"model": args.model, "max_tokens": args.max_tokens, "loadavg_start": loadavg(),
-              "cpu_count": os.cpu_count()}
+              "cpu_count": os.cpu_count(), "cpu": cpu_model()}
     sections = {"ceiling": ceiling, "serving": serving, "speculation": speculation,
                 "batch": batch, "shortcut": shortcut, "load": load_test}
     for name, run in sections.items():

@@ -7,6 +7,23 @@ import platform
 from typing import Any
 
 
+def cpu_model() -> str:
+    """The CPU's name, with its family and model where Linux reports them (cloud machines often
+    name only the vendor, "AMD EPYC": the family tells a Zen 5 from a Zen 3): benchmark results
+    record it, since the same code runs at different speeds on different machines."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                          if ":" in line)
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name", platform.processor() or platform.machine())
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
 def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str, Any]:
     """Platform, MLX device, BLAS in use (with measured GFLOP/s when ``measure``) and the
     quantized-matmul path; with ``check_kernels``, every Metal kernel checked against the MLX
@@ -23,6 +40,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         "mlxspec": __version__,
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_model(),
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),

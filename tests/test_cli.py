@@ -195,6 +195,13 @@ def test_system_report_is_the_library_side_of_doctor():
     assert report["mlxspec"] and report["blas"]["active"] in (
         "openblas", "custom", "preloaded", "reference", "accelerate")
     assert "matmul_gflops" not in report["blas"]
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in
+             (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    if names:  # the CPU named as Linux names it (benchmark results record it)
+        assert report["cpu"].startswith(names[0]) and "family" in report["cpu"]
+    assert report["cpu"]
     assert report["fused_ops"].startswith("compiled")  # CPU-only MLX here
     if cpu_jit._cpu_supported() and shutil.which("g++"):
         assert report["cpu_jit"].startswith("g++ -mavx2")
