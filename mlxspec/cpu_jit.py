@@ -72,15 +72,20 @@ exec {compiler} "$@"
 _wrapper_dir: Path | None = None
 
 
-def _cpu_supported() -> bool:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in Linux's ``/proc/cpuinfo`` (``{}`` where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
+        return {}
+    lines = text.split("\n\n")[0].splitlines()
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
+
+
+def _cpu_supported() -> bool:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+    flags = cpuinfo().get("flags", "").split()
     return all(feature in flags for feature in CPU_FEATURES)
 
 

@@ -11,14 +11,10 @@ def cpu_model() -> str:
     """The CPU's name, with its family and model where Linux reports them (cloud machines often
     name only the vendor, "AMD EPYC": the family tells a Zen 5 from a Zen 3): benchmark results
     record it, since the same code runs at different speeds on different machines."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
-                          if ":" in line)
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    name = fields.get("model name", platform.processor() or platform.machine())
+    from mlxspec.cpu_jit import cpuinfo
+
+    fields = cpuinfo()
+    name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
     return name
