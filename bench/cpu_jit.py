@@ -1,8 +1,8 @@
-"""mlxspec.cpu_jit: decode steps with MLX's JIT kernels built for this CPU against MLX's own build.
+"""mlxspec.cpu.jit: decode steps with MLX's JIT kernels built for this CPU against MLX's own build.
 
 The two builds cannot share a process (MLX keeps a kernel it loaded), so each round runs one
 child process per variant, in alternating order: ``MLXSPEC_JIT_FLAGS=0`` (MLX's build) and the
-default (``mlxspec.cpu_jit``), each with a kernel cache of its own (``TMPDIR``, kept across the
+default (``mlxspec.cpu.jit``), each with a kernel cache of its own (``TMPDIR``, kept across the
 rounds: the first round also builds the kernels, and is a warm-up). A child measures what
 ``bench/fused_ops.py`` does: the median time of a forward over one new token per row at batch
 sizes 1, 8 and 16 (a KV cache of ~100 tokens per row, the greedy token fed back), and saves its
@@ -31,7 +31,7 @@ import mlxspec
 import mlx.core as mx
 import numpy as np
 from fused_ops import forward_ms
-from mlxspec import cpu_jit
+from mlxspec.cpu import jit as cpu_jit
 from mlxspec.load import default_model_path
 
 model, _ = mlxspec.load(sys.argv[2] or str(default_model_path()))

@@ -1,4 +1,4 @@
-"""mlxspec.cpu_ops: the attention and greedy-candidates primitives against MLX's own, side by side.
+"""mlxspec.cpu.ops: the attention and greedy-candidates primitives against MLX's own, side by side.
 
 One process, the two in alternating rounds (this host's speed drifts within minutes), medians:
 
@@ -6,7 +6,7 @@ One process, the two in alternating rounds (this host's speed drifts within minu
   evaluation, for 1 and 8 rows at 100, 400 and 1,000 positions (a KV cache's slices; 8 rows with
   a padding mask), MLX's own composition against the primitive; the outputs compared bitwise.
 - ``greedy``: the greedy candidates (argmax and near-tie count) of 1 and 8 rows of 49,152 logits.
-- ``engine``: ``mlxspec.engine.Engine`` in-process with 1 and 8 clients sending SmolLM2 chat
+- ``engine``: ``mlxspec.serving.engine.Engine`` in-process with 1 and 8 clients sending SmolLM2 chat
   requests (64 tokens) back to back, tokens/s over a window, both ops off (MLX's own) and on, and
   the ratio of 8 clients to 1 in each.
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import mlxspec  # first: the BLAS set-up
 import mlx.core as mx
-
-from mlxspec import blas, cpu_ops
-from mlxspec.engine_rows import GREEDY_TIE, greedy_candidates
+from mlxspec.cpu import blas
+from mlxspec.cpu import ops as cpu_ops
+from mlxspec.serving.rows import GREEDY_TIE, greedy_candidates
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import PROMPTS  # noqa: E402  (the serving benchmark's chat prompts)
@@ -111,8 +111,8 @@ def greedy(rounds: int) -> list[dict]:
 
 def engine_rate(model, tokenizer, clients: int, seconds: float, warmup: float = 3.0) -> float:
     """Tokens/s of the in-process engine with ``clients`` requests always in flight."""
-    from mlxspec.engine import Engine
-    from mlxspec.engine_requests import Request
+    from mlxspec.serving.engine import Engine
+    from mlxspec.serving.requests import Request
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                              add_generation_prompt=True) for p in PROMPTS]

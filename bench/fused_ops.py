@@ -1,4 +1,4 @@
-"""mlxspec.fused_ops: a decode step with the compiled RoPE and RMSNorm against MLX's own, side by side.
+"""mlxspec.cpu.fused_ops: a decode step with the compiled RoPE and RMSNorm against MLX's own, side by side.
 
 One process, the two in alternating rounds (this host's speed drifts within minutes): the ops in
 one decode step's graph, the median time of a model forward over one new token per row at batch
@@ -22,8 +22,7 @@ import time
 import mlxspec  # first: the BLAS set-up
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlxspec import fused_ops
+from mlxspec.cpu import fused_ops
 from mlxspec.load import default_model_path
 
 
@@ -87,7 +86,7 @@ def main() -> None:
         same_bits &= all(mx.array_equal(last["mlx_own", b], last["fused", b]).item() for b in batches)
     result = {"model": args.model or "SmolLM2-135M-Instruct (default)", "rounds": args.rounds,
               "steps": args.steps, "same_logits_bitwise": same_bits,
-              "blas": mlxspec.blas.skinny_products(), "loadavg": open("/proc/loadavg").read().split()[:3],
+              "blas": mlxspec.cpu.blas.skinny_products(), "loadavg": open("/proc/loadavg").read().split()[:3],
               "variants": {}}
     for name in variants:
         result["variants"][name] = {"ops_per_step": ops[name], **summary(ms[name], batches)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from huge_pages import report, side_by_side, step_options
 
-from mlxspec import allocator
+from mlxspec.cpu import allocator
 
 # Run by bench/huge_pages.py's child before timing (MLXSPEC_BENCH_PREPARE): the swap.
 PREPARE = """
@@ -27,7 +27,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlxspec import huge_pages
+from mlxspec.cpu import huge_pages
 
 
 class Part(nn.Module):

@@ -1,4 +1,4 @@
-"""Weights on 2 MB pages or not (``mlxspec.huge_pages``): decode steps of mlxspec's engine, side by side.
+"""Weights on 2 MB pages or not (``mlxspec.cpu.huge_pages``): decode steps of mlxspec's engine, side by side.
 
     python bench/huge_pages.py [--model DIR] [--rows 1,8] [--rounds 4] [--steps 64] [--out F]
 
@@ -23,9 +23,9 @@ import click
 CHILD = """
 import json, os, re, statistics, sys, threading, time
 import mlxspec
-from mlxspec import huge_pages
-from mlxspec.engine import Engine
-from mlxspec.engine_requests import Request
+from mlxspec.cpu import huge_pages
+from mlxspec.serving.engine import Engine
+from mlxspec.serving.requests import Request
 rows, steps, model_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] or None
 model, tokenizer = mlxspec.load(model_dir)
 for thread in threading.enumerate():

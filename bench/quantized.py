@@ -204,9 +204,35 @@ _DENSE_QUANTIZED_LINEAR = (
     "nn.QuantizedLinear.__call__ = _dense_call\n")
 
 
+def calibration_set_file(name: str, which: str, out_root: str) -> str:
+    """The calibration text every tool of the anchor comparison reads: ``austen`` (the old
+    one-author text, ``data/calibration.txt``), ``mix`` (mlxspec's built-in set: prose, code,
+    technical and the float model's own answers to the built-in prompts, 32 windows of 256 tokens,
+    decoded to text, so that mlx-lm's tools read the very same set), or a file."""
+    from pathlib import Path
+
+    from mlxspec.load import load, resolve_model_path
+    from mlxspec.quant import calibrate, calibration_set
+
+    if which == "austen":
+        return str(calibrate.builtin_calibration_path())
+    if which != "mix":
+        return which
+    path = Path(out_root) / f"{name}-calibration-mix.txt"
+    if not path.exists():
+        model, tokenizer = load(str(resolve_model_path(model_spec(name))))
+        windows, _ = calibration_set.mixed_windows(
+            tokenizer, model, windows=calibrate.DEFAULT_CALIBRATION_WINDOWS,
+            window_tokens=calibrate.DEFAULT_CALIBRATION_TOKENS, progress=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(calibration_set.windows_text(tokenizer, windows), encoding="utf-8")
+    return str(path)
+
+
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
             methods=("rtn", "gptq", "awq", "awq+gptq"), rows_file: str | None = None,
-            calibration: tuple[int, int] | None = None, reuse: bool = False) -> list[dict]:
+            calibration: tuple[int, int] | None = None, reuse: bool = False,
+            calibration_set: str = "austen") -> list[dict]:
     """mlx-lm's own learned quantizers (``mlx_lm.quant.gptq`` / ``mlx_lm.quant.awq``) against
     mlxspec's ``quantize_to_dir`` at the same bits, group size and storage: both write MLX affine
     directories from the same float32 source with float32 scales and biases (equal bits per
@@ -225,26 +251,32 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
     Both sides are evaluated in float32 on their exact dequantized weights: mlx-lm's
     ``QuantizedLinear`` layers through ``mlx_lm.utils.dequantize_model`` (MLX's CPU
     ``quantized_matmul`` does not use BLAS: 24 Gemma-3 windows took ~30 min), mlxspec's
-    zero-point layers through their own dense CPU path."""
+    zero-point layers through their own dense CPU path.
+
+    ``calibration_set`` (:func:`calibration_set_file`) is the text every tool calibrates on;
+    every row is evaluated per domain on the built-in held-out texts (``windows`` per domain,
+    :func:`mlxspec.evaluation.compare_domains`), pooled and worst domain."""
     import shutil
     import subprocess
     from pathlib import Path
 
     from mlx_lm.utils import dequantize_model
 
-    from mlxspec.evaluation import builtin_windows, compare
+    from mlxspec.evaluation import compare_domains, domain_windows
     from mlxspec.load import load, resolve_model_path
-    from mlxspec.quant import calibrate
+    from mlxspec.publish.quantize_flow import quantize_to_dir
     from mlxspec.quant import quantize as q
-    from mlxspec.quantize_flow import quantize_to_dir
 
     source = resolve_model_path(model_spec(name))
+    calibration_text = calibration_set_file(name, calibration_set, out_root)
+    set_name = Path(calibration_text).stem if calibration_set not in ("austen", "mix") \
+        else calibration_set
     target = Path.home() / ".cache" / "mlx-lm" / "calibration_v5.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(calibrate.builtin_calibration_path(), target)
+    shutil.copy(calibration_text, target)
     reference, tokenizer = load(str(source))
     cached = CachedLogits(reference)
-    eval_windows = builtin_windows(tokenizer, windows=windows)
+    eval_windows = domain_windows(tokenizer, windows=windows)
     jobs = [(bits, gs, m) for bits, gs in cases for m in methods]
     # mlx-lm's DWQ trains only layers under 8 bits (its student is round-to-nearest otherwise)
     jobs += [(bits, gs, f"mlx_lm.{t}") for bits, gs in cases for t in tools
@@ -253,13 +285,18 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
     if rows_file and Path(rows_file).exists():
         for line in Path(rows_file).read_text().splitlines():
             row = json.loads(line)
-            done[(row["model"], row["bits"], row["group_size"], row["method"])] = row
+            done[(row["model"], row["bits"], row["group_size"], row["method"],
+                  row.get("calibration_set", "austen"))] = row
     rows = []
     for bits, group_size, method in sorted(jobs, key=lambda j: (j[0], -j[1])):
-        if (name, bits, group_size, method) in done:
-            rows.append(done[(name, bits, group_size, method)])
+        if (name, bits, group_size, method, set_name) in done:
+            rows.append(done[(name, bits, group_size, method, set_name)])
             continue
-        out = Path(out_root) / f"{name}-{method}-{bits}g{group_size}"
+        if method == "rtn" and (name, bits, group_size, method) in {k[:4] for k in done}:
+            rows.append(next(r for k, r in done.items() if k[:4] == (name, bits, group_size,
+                                                                      method)))
+            continue  # round-to-nearest reads no calibration text
+        out = Path(out_root) / f"{name}-{set_name}-{method}-{bits}g{group_size}"
         reused = method.startswith("mlx_lm.") and reuse and (out / "config.json").exists()
         start = time.perf_counter()
         if method.startswith("mlx_lm.") and not reused:
@@ -285,7 +322,8 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             quantize_to_dir(str(source), out, bits=bits, group_size=group_size, method=base,
                             dtype="float32", group_fallback=True, force=True, evaluate=False,
                             progress=False, calibration_windows=windows,
-                            calibration_tokens=tokens, distill_epochs=8 if distilled else 0)
+                            calibration_tokens=tokens, distill_epochs=8 if distilled else 0,
+                            calibration=calibration_text)
         seconds = None if reused else round(time.perf_counter() - start, 1)
         record = json.loads((out / "config.json").read_text()).get("quantization", {})
         used = None  # the calibration amount: RTN has none
@@ -306,13 +344,17 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                          f" kept: {d['kept']})")
         model, _ = load(str(out))
         bits_per_weight = round(q.bits_per_weight(model), 3)
-        result = compare(dequantize_model(model), cached, eval_windows)
+        result = compare_domains(dequantize_model(model), cached, eval_windows)
+        keys = ("kl_mean", "kl_p99", "top1_agreement", "perplexity", "reference_perplexity",
+                "tokens")
         row = {"model": name, "method": method, "bits": bits, "group_size": group_size,
                "bits_per_weight": bits_per_weight,
                "weight_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
                "quantize_seconds": seconds, "calibration": used,
-               **{k: result[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
-                                         "reference_perplexity", "tokens")}}
+               "calibration_set": "none" if method == "rtn" else set_name,
+               **{k: result[k] for k in keys},
+               "domains": {d: {k: r[k] for k in keys} for d, r in result["domains"].items()},
+               "worst_domain": result["worst"]["domain"]}
         print(json.dumps(row), file=sys.stderr, flush=True)
         if rows_file:
             with open(rows_file, "a") as f:
@@ -462,6 +504,9 @@ def main() -> None:
                         help="WINDOWSxTOKENS: mlxspec's calibration amount in the anchor "
                              "comparison (default: mlxspec's default; a rows file holds one "
                              "amount: give each its own --anchor-rows)")
+    parser.add_argument("--anchor-calibration-set", default="mix",
+                        help="the text every tool calibrates on: mix (mlxspec's built-in set, "
+                             "decoded), austen (the old one-author text) or a file")
     parser.add_argument("--anchor-reuse", action="store_true",
                         help="evaluate mlx-lm output directories already in --anchor-dir as "
                              "they are instead of quantizing again")
@@ -470,14 +515,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
 
-    from mlxspec import blas
+    from mlxspec import cpu
     from mlxspec.quant import layers
 
     names = [n for n in args.models.split(",") if n]
     result = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "metal": mx.metal.is_available(),
-                    "blas": blas.blas_report(measure=False),
+                    "blas": cpu.blas_report(measure=False),
                     "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
                     "zero_point_layers": layers.describe()},
         "settings": vars(args),
@@ -503,7 +548,8 @@ def main() -> None:
             for r in anchors(n, args.windows, args.anchor_dir, cases=cases, tools=tools,
                              methods=[m for m in args.anchor_methods.split(",") if m],
                              rows_file=args.anchor_rows,
-                             calibration=calibration, reuse=args.anchor_reuse)
+                             calibration=calibration, reuse=args.anchor_reuse,
+                             calibration_set=args.anchor_calibration_set)
         ]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))

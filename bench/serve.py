@@ -2,7 +2,8 @@
 
     python bench/serve.py [--model DIR] [--clients 1,2,4,8,16] [--seconds 20] [--max-tokens 64]
                           [--batch-prompts 256] [--load-clients 64] [--load-seconds 60]
-                          [--skip ceiling,serving,speculation,batch,shortcut,load]
+                          [--skip ceiling,serving,speculation,batch,shortcut,load,structured]
+                          [--only structured] [--structured-rounds 2]
                           [--out result.json]
 
 Sections (JSON on stdout, one object):
@@ -19,11 +20,14 @@ Sections (JSON on stdout, one object):
   (``mlxspec.generate``; a subset, as a rate), as plain text and as chat messages (the chat
   template's shared prefix prefilled once).
 - ``shortcut``: ``mlxspec.batch_generate`` with the batch's greedy shortcut on and off in turns
-  (``mlxspec.engine_rows.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
+  (``mlxspec.serving.rows.GREEDY_SHORTCUT``), same prompts and batch size, same texts required.
 - ``load``: many clients for a bounded time against ``mlxspec serve``: mixed streaming and
   non-streaming, some disconnecting early, some malformed; checks that every answer to the same
   greedy prompt is the same text (no mixed-up responses), that the server survives, and samples
   its resident memory.
+- ``structured``: one stream in the serving engine answering held-out questions under a JSON
+  schema against free text, plain and with prompt lookup: decode tokens/s, the grammar mask's
+  cost per token, and the share of answers that parse and validate (``jsonschema``).
 The machine's load average is recorded beside the numbers.
 """
 
@@ -430,8 +434,8 @@ def batch(args) -> dict:
 
 def _batch_job(args, model, tokenizer, prompts: list) -> dict:
     import mlxspec
-    from mlxspec.batch import choose_batch_size, shared_prefix
     from mlxspec.generate import encode_prompt, stream_generate
+    from mlxspec.serving.batch import choose_batch_size, shared_prefix
 
     tokens = [encode_prompt(tokenizer, p).tolist() for p in prompts]
     tic = time.perf_counter()
@@ -457,11 +461,127 @@ def _batch_job(args, model, tokenizer, prompts: list) -> dict:
             "sizing_seconds": round(sizing_s, 2), "sizing": sizing, "loadavg": loadavg()}
 
 
+# Held out from the tests and from the grammar's development: questions and the schemas that
+# constrain their answers (bounded strings and arrays, so an answer fits in the token budget).
+STRUCTURED = [
+    ("Describe a fruit as JSON: its name, colour and whether it is sweet.",
+     {"type": "object", "additionalProperties": False, "required": ["name", "colour", "sweet"],
+      "properties": {"name": {"type": "string", "maxLength": 20},
+                     "colour": {"enum": ["red", "green", "yellow", "orange", "purple"]},
+                     "sweet": {"type": "boolean"}}}),
+    ("Give the population of Paris in millions and the year, as JSON.",
+     {"type": "object", "additionalProperties": False, "required": ["millions", "year"],
+      "properties": {"millions": {"type": "number", "minimum": 0, "maximum": 100},
+                     "year": {"type": "integer", "minimum": 1900, "maximum": 2030}}}),
+    ("List up to three programming languages and their creators, as JSON.",
+     {"type": "object", "additionalProperties": False, "required": ["languages"],
+      "properties": {"languages": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+          "type": "object", "additionalProperties": False, "required": ["name", "creator"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "creator": {"type": "string", "maxLength": 30}}}}}}),
+    ("Book a table: a date (YYYY-MM-DD), a party size and an optional note, as JSON.",
+     {"type": "object", "additionalProperties": False, "required": ["date", "size", "note"],
+      "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                     "size": {"type": "integer", "minimum": 1, "maximum": 12},
+                     "note": {"anyOf": [{"type": "string", "maxLength": 40}, {"type": "null"}]}}}),
+    ("Classify the sentence 'I love this phone' as JSON with a label and a score.",
+     {"type": "object", "additionalProperties": False, "required": ["label", "score"],
+      "properties": {"label": {"enum": ["positive", "negative", "neutral"]},
+                     "score": {"type": "number", "minimum": 0, "maximum": 1}}}),
+    ("Give a person as JSON: name, age, and an address with street and city.",
+     {"type": "object", "additionalProperties": False, "required": ["name", "age", "address"],
+      "properties": {"name": {"type": "string", "maxLength": 30},
+                     "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                     "address": {"type": "object", "additionalProperties": False,
+                                 "required": ["street", "city"],
+                                 "properties": {"street": {"type": "string", "maxLength": 40},
+                                                "city": {"type": "string", "maxLength": 30}}}}}),
+]
+
+
+def _engine_answer(engine, request) -> dict:
+    """One request alone through the engine: its text, tokens, decode seconds (first token to
+    last) and its grammar's mask statistics."""
+    rid = engine.submit(request)
+    grammar = [p for p in engine.streams[rid].processors if hasattr(p, "stats")]
+    text, times, reason = "", [], None
+    while reason is None:
+        for event in engine.step():
+            text, reason = text + event.text, event.finish_reason
+            times.append(time.perf_counter())
+    masks, mask_s = grammar[0].stats if grammar else (0, 0.0)
+    return {"text": text, "tokens": len(times), "seconds": times[-1] - times[0],
+            "reason": reason, "masks": masks, "mask_seconds": mask_s}
+
+
+def structured(args) -> dict:
+    """Constrained decoding in the serving engine (``mlxspec.serving.engine``, as ``serve`` runs a
+    lone request): decode tokens/s answering under a JSON schema against free text, without and
+    with speculation (prompt lookup), the grammar mask's cost per token, and how many of the
+    schema-constrained answers parse and validate (``jsonschema``) on the held-out schemas."""
+    import jsonschema
+
+    import mlxspec
+    from mlxspec.grammar import json_schema_grammar
+    from mlxspec.serving.engine import Engine, Request
+    from mlxspec.speculative import make_draft
+
+    model, tokenizer = mlxspec.load(args.model)
+    cases = [(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                            add_generation_prompt=True),
+              schema, json_schema_grammar(schema)) for q, schema in STRUCTURED]
+    engines = {"plain": Engine(model, tokenizer, max_batch=1, prompt_cache_size=0),
+               "prompt_lookup": Engine(model, tokenizer, max_batch=1, prompt_cache_size=0,
+                                       draft=make_draft(model, tokenizer, prompt_lookup=True))}
+    _engine_answer(engines["plain"], Request(cases[0][0], max_tokens=16))  # warm-up
+    totals: dict[tuple[str, str], list[float]] = {}
+    answers = []
+    for _ in range(args.structured_rounds):
+        for drafter, engine in engines.items():
+            for prompt, schema, grammar in cases:  # both modes of a question in turns
+                budget = args.max_tokens * 2
+                for mode in ("json_schema", "free_text"):
+                    out = _engine_answer(engine, Request(
+                        prompt, max_tokens=budget,
+                        grammar=grammar if mode == "json_schema" else None))
+                    # free text as long as the JSON answer: the same contexts, the same steps
+                    budget = out["tokens"]
+                    t = totals.setdefault((drafter, mode), [0, 0.0, 0, 0.0])
+                    t[0] += out["tokens"] - 1
+                    t[1] += out["seconds"]
+                    t[2] += out["masks"]
+                    t[3] += out["mask_seconds"]
+                    if mode == "json_schema":
+                        answers.append((out, schema))
+    rows = []
+    for (drafter, mode), (tokens, seconds, masks, mask_s) in totals.items():
+        rows.append({"drafter": drafter, "mode": mode, "decode_tokens": tokens,
+                     "decode_tokens_per_s": round(tokens / seconds, 2),
+                     "masks_per_token": round(masks / tokens, 2) if masks else None,
+                     "mask_us_per_token": round(1e6 * mask_s / tokens, 1) if masks else None,
+                     "mask_us_per_mask": round(1e6 * mask_s / masks, 1) if masks else None})
+    rate = {(r["drafter"], r["mode"]): r["decode_tokens_per_s"] for r in rows}
+    cost = {d: round(1 - rate[(d, "json_schema")] / rate[(d, "free_text")], 3) for d in engines}
+    valid = 0
+    for out, schema in answers:
+        try:
+            jsonschema.validate(json.loads(out["text"]), schema)
+            valid += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            pass
+    return {"what": "decode tokens/s (first token to last) of one engine stream; the free-text "
+                    "answer of each question is cut to the length of its JSON answer",
+            "schemas": len(cases), "rounds": args.structured_rounds, "rows": rows,
+            "schema_cost_of_decode_speed": cost, "answers": len(answers), "valid_answers": valid,
+            "finished_answers": sum(out["reason"] == "stop" for out, _ in answers),
+            "grammar_library": "llguidance", "loadavg": loadavg()}
+
+
 def shortcut(args) -> dict:
     """``mlxspec.batch_generate`` with the batch's greedy shortcut on and off, in turns, at a
-    fixed batch size (``mlxspec.engine_rows.GREEDY_SHORTCUT``); the texts must be the same."""
+    fixed batch size (``mlxspec.serving.rows.GREEDY_SHORTCUT``); the texts must be the same."""
     import mlxspec
-    import mlxspec.engine_rows as engine_rows
+    import mlxspec.serving.rows as engine_rows
 
     model, tokenizer = mlxspec.load(args.model)
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(args.shortcut_prompts)]
@@ -578,7 +698,10 @@ def main() -> None:
                         help="prompts (and batch size) of the shortcut section")
     parser.add_argument("--load-clients", type=int, default=64)
     parser.add_argument("--load-seconds", type=float, default=60)
+    parser.add_argument("--structured-rounds", type=int, default=2,
+                        help="structured: turns over the schemas per drafter and mode")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--only", default=None, help="run only these sections (comma-separated)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -588,12 +711,15 @@ def main() -> None:
 
         args.model = str(resolve_model_path(None))
     skip = set(args.skip.split(",")) - {""}
-    from mlxspec.system import cpu_model
+    if args.only:  # e.g. --only structured
+        skip = {"ceiling", "serving", "speculation", "batch", "shortcut", "load",
+                "structured"} - set(args.only.split(","))
+    from mlxspec.cpu import cpu_model
 
     result = {"model": args.model, "max_tokens": args.max_tokens, "loadavg_start": loadavg(),
               "cpu_count": os.cpu_count(), "cpu": cpu_model()}
     sections = {"ceiling": ceiling, "serving": serving, "speculation": speculation,
-                "batch": batch, "shortcut": shortcut, "load": load_test}
+                "batch": batch, "shortcut": shortcut, "load": load_test, "structured": structured}
     for name, run in sections.items():
         if name not in skip:
             result[name] = run(args)

@@ -2,7 +2,7 @@
 
     python bench/skinny.py [--base REV] [--rows 1,4,8,12,16,21,24] [--rounds 11] [--json]
 
-Builds ``mlxspec/_blas_shim.c`` as it is and as it was at ``--base`` (``git show``), loads both
+Builds ``mlxspec/cpu/_blas_shim.c`` as it is and as it was at ``--base`` (``git show``), loads both
 with ctypes and times SmolLM2-135M's 211 float32 products per token (30 layers of q, k, v, o,
 gate, up and down, and the 49,152 x 576 output head; distinct random weights, 537 MB, so every
 product streams its weights from memory; weights and inputs placed as MLX places them, past a
@@ -27,7 +27,7 @@ import click
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "mlxspec/_blas_shim.c"
+SOURCE = "mlxspec/cpu/_blas_shim.c"
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
           (576, 1536)] * 30 + [(49152, 576)]
 

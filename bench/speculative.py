@@ -42,8 +42,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
-
-from mlxspec.blas import blas_report
+from mlxspec.cpu import blas_report
 from mlxspec.speculative import first_layers_copy, quantized_copy
 from mlxspec.chat import chat_prompt
 from mlxspec.generate import stream_generate
@@ -361,10 +360,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=None,
                         help='only these configurations, e.g. "bad draft" "prompt lookup"')
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    parser.add_argument("--rows", choices=["table", "new", "all"], default="all",
+    parser.add_argument("--rows", choices=["table", "new", "all", "feature"], default="all",
                         help="the configuration table, the new rows (drafting cost against "
-                             "context, longest prompt, first-pass spike), or both")
+                             "context, longest prompt, first-pass spike), both, or the feature "
+                             "draft's rows (bench/feature_draft_rows.py)")
+    parser.add_argument("--head", default="auto", help="feature rows: the EAGLE-3 head")
+    parser.add_argument("--update", default=None,
+                        help="feature rows: merge them into this results JSON ('feature_draft')")
     args = parser.parse_args()
+    if args.rows == "feature":
+        return feature_main(args)
 
     def log(line: str) -> None:  # the table goes to stderr when stdout carries the JSON
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -384,6 +389,29 @@ def main() -> None:
     log(result["machine"])
     if args.json:
         print(json.dumps(result, indent=2))
+
+
+def feature_main(args) -> None:
+    from feature_draft_rows import feature_rows
+
+    model, tokenizer = load(args.model)
+    run_mlxspec(model, tokenizer, chat_ids(tokenizer, "Hi"), 8, 0.0, args.seed)  # warm-up
+    rows = feature_rows(model, tokenizer, run_mlxspec, args.max_tokens, args.temps, args.seed,
+                        args.repeats, head=args.head)
+    from mlxspec.cpu import cpu_model
+
+    rows.update(machine=machine(), cpu=cpu_model(), date=time.strftime("%Y-%m-%d %H:%M"),
+                max_tokens=args.max_tokens, repeats=args.repeats)
+    for name, ok in rows.get("checks", {}).items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}", file=sys.stderr)
+    if args.update:
+        with open(args.update) as f:
+            merged = json.load(f)
+        merged["feature_draft"] = rows
+        with open(args.update, "w") as f:
+            json.dump(merged, f, indent=2)
+    if args.json:
+        print(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
       mlxspec batch prompts.jsonl --out results.jsonl --max-tokens 128
       mlxspec batch prompts.jsonl -o results.jsonl --batch-size 16 --temp 0.7
     """
-    from mlxspec.batch_jsonl import run_jsonl
-    from mlxspec.engine import make_draft
     from mlxspec.load import load
+    from mlxspec.serving.batch_jsonl import run_jsonl
+    from mlxspec.speculative import make_draft
 
     nn_model, tokenizer = load(model)
     draft_nn, draft_tokenizer = load_draft(draft_model)

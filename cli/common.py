@@ -9,6 +9,8 @@ import math
 
 import click
 
+from mlxspec.errors import InvalidArgumentError
+
 
 def model_option(f):
     return click.option(
@@ -58,3 +60,25 @@ def gate_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def read_text(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8, or ``InvalidArgumentError`` naming ``where``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(
+            f"{where} is not valid UTF-8 (byte {e.start}): convert it to UTF-8 first"
+        ) from None
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode; undecodable bytes of an argument (surrogate escapes on
+    POSIX) raise ``InvalidArgumentError`` naming ``where``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{where} is not valid UTF-8 (character {e.start}): convert it to UTF-8 first"
+        ) from None
+    return text

@@ -7,16 +7,9 @@ import sys
 
 import click
 
-from mlxspec.cli.common import model_option, sampling_options
-from mlxspec.cli.render import stats_line
-from mlxspec.cli.speculative_options import (
-    PrefillProgress,
-    check_text,
-    kv_bits_option,
-    load_draft,
-    read_text,
-    speculative_options,
-)
+from mlxspec.cli.common import check_text, model_option, read_text, sampling_options
+from mlxspec.cli.render import PrefillProgress, stats_line
+from mlxspec.cli.speculative_options import kv_bits_option, load_draft, speculative_options
 
 
 @click.command("generate")
@@ -32,9 +25,11 @@ from mlxspec.cli.speculative_options import (
 @speculative_options
 @kv_bits_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
+@click.option("--json-schema", default=None, metavar="FILE",
+              help="Answer only JSON valid under this JSON schema (constrained decoding).")
 def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
             top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
-            draft_min_confidence, kv_bits, as_json):
+            draft_min_confidence, kv_bits, as_json, json_schema):
     """Generate text from a prompt, streaming it, then print speed and memory statistics.
 
     \b
@@ -43,17 +38,21 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
       mlxspec generate -m model.gguf -p "Once upon a time" --no-chat-template --temp 0.7
       mlxspec generate --prompt-lookup -p "Add a docstring to: def f(x): return x*2"
       echo "Explain DNS" | mlxspec generate -p - --json
+      mlxspec generate -p "A person as JSON" --json-schema person.schema.json
     """
     from mlxspec.benchmark import model_bytes
     from mlxspec.chat import chat_prompt
     from mlxspec.generate import stream_generate
+    from mlxspec.grammar import read_json_schema, schema_processor
     from mlxspec.load import load
 
     prompt = read_text(sys.stdin.buffer.read(), "standard input") if prompt == "-" else prompt
     check_text(prompt, "--prompt")
     if system is not None:
         check_text(system, "--system")
+    schema = read_json_schema(json_schema) if json_schema is not None else None
     nn_model, tokenizer = load(model)
+    processors = [schema_processor(tokenizer, schema)] if json_schema is not None else None
     draft, draft_tokenizer = load_draft(draft_model)
     if tokenizer.chat_template and not no_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -68,7 +67,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
             draft_model=draft, draft_tokenizer=draft_tokenizer,
             num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
             ngram_max=ngram_max, draft_min_confidence=draft_min_confidence, kv_bits=kv_bits,
-            prompt_progress_callback=progress,
+            prompt_progress_callback=progress, logits_processors=processors,
         ):
             text += last.text
             if not as_json:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlxspec.generate import Response
-    from mlxspec.quantize_flow import QuantizeReport
+    from mlxspec.publish.quantize_flow import QuantizeReport
 
 
 def as_json(result: Any) -> str:
@@ -27,6 +27,10 @@ def stats_line(response: Response, model_bytes: int | None = None) -> str:
     if model_bytes:
         parts.append(f"bandwidth: {model_bytes * response.generation_tps / 1e9:.1f} GB/s")
     parts.append(f"peak memory: {response.peak_memory:.2f} GB")
+    from mlxspec.quant.kernels import EMULATED, emulating
+
+    if emulating():  # MLXSPEC_KERNELS=emulate: these speeds are the CPU emulator's
+        parts.append(f"kernels {EMULATED}")
     return " | ".join(parts)
 
 
@@ -53,7 +57,7 @@ def perplexity_table(r: dict[str, Any]) -> str:
         _about(r),
         f"  perplexity            {r['perplexity']:.3f} ± {r['perplexity_se']:.3f}",
         "  (no reference: pass --reference to measure the divergence from another model)",
-    ])
+    ]) + domains_table(r)
 
 
 def comparison_table(r: dict[str, Any]) -> str:
@@ -68,7 +72,23 @@ def comparison_table(r: dict[str, Any]) -> str:
         f"  mean KL               {r['kl_mean']:.5f} nats/token",
         f"  p99 KL                {r['kl_p99']:.5f} nats/token",
         f"  top-1 agreement       {r['top1_agreement']:.2f}%",
-    ])
+    ]) + domains_table(r)
+
+
+def domains_table(r: dict[str, Any]) -> str:
+    """The per-domain lines of a built-in evaluation and its worst domain ('' without them)."""
+    domains = r.get("domains")
+    if not domains:
+        return ""
+    if "worst" not in r:  # perplexity alone
+        return "\n" + "\n".join(f"  {d:<10} perplexity {x['perplexity']:.3f} ± "
+                                 f"{x['perplexity_se']:.3f}" for d, x in domains.items())
+    lines = ["", "  domain            mean KL   p99 KL   top-1   ppl (reference)"]
+    rows = [*domains.items(), (f"worst: {r['worst']['domain']}", r["worst"])]
+    for d, x in rows:
+        lines.append(f"  {d:<16} {x['kl_mean']:8.5f} {x['kl_p99']:8.4f} {x['top1_agreement']:6.2f}%"
+                     f"  {x['perplexity']:.2f} ({x['reference_perplexity']:.2f})")
+    return "\n".join(lines)
 
 
 def acceptance_table(r: dict[str, Any]) -> str:
@@ -151,6 +171,8 @@ def bench_table(result: dict[str, Any]) -> str:
         f"mlxspec / mlx-lm: decode {result['decode_ratio']:.2f}x, "
         f"prefill {result['prefill_ratio']:.2f}x"
     )
+    if result.get("emulated"):  # MLXSPEC_KERNELS=emulate: no number here is a Metal speed
+        lines = [f"{line}  [kernels {result['emulated']}]" for line in lines]
     return "\n".join(lines)
 
 
@@ -158,20 +180,38 @@ def bench_table(result: dict[str, Any]) -> str:
 
 
 def kernel_check_lines(check: dict[str, Any]) -> list[str]:
-    """``mlxspec doctor --kernels``: one line per kernel case, then one per timing."""
-    lines = [f"kernel check: {'all ok' if check['ok'] else 'FAILED'}"]
+    """``mlxspec doctor --kernels``: one line per kernel case, then one per timed row; under
+    ``MLXSPEC_KERNELS=emulate`` every line says so."""
+    tag = " [emulated]" if check.get("emulated") else ""
+    lines = [f"kernel check: {'all ok' if check['ok'] else 'FAILED'}"
+             + (f" ({check['emulated']})" if tag else "")
+             + (f" on {check['device']}, MLX {check['mlx']}" if check.get("device") else "")]
     for c in check["cases"]:
-        what = f"  {c['path']:<13} {c['bits']}-bit g{c['group_size']:<4} {c['dtype']:<9}"
+        scales = f" scales {c['scale_dtype']}" if c.get("scale_dtype", c["dtype"]) != c["dtype"] else ""
+        what = f"  {c['path']:<30} {c['bits']}-bit g{c['group_size']:<4} {c['dtype']:<9}{scales}"
         error = c.get("error") or f"max rel error {c.get('max_rel_error', 0.0):.1e}"
-        lines.append(f"{what} {'ok ' if c['ok'] else 'FAILED'}  {error}")
-    for t in check.get("timing", []) + check.get("qmm_timing", []):
-        lines.append(f"  time {t['path']} {t['n']}x{t['k']} {t['bits']}-bit g{t['group_size']}"
-                     f" M={t['rows']}: zero-point {t['zp_us']:.0f} us ({t['zp_gbps']:.0f} GB/s),"
-                     f" mx.quantized_matmul {t['affine_us']:.0f} us: {t['speedup']:.2f}x")
+        shape = f"  {c['shape']}" if "shape" in c else ""
+        lines.append(f"{what} {'ok ' if c['ok'] else 'FAILED'}  {error}{shape}{tag}")
+    if "real_shapes" in check:
+        lines.append(f"  real shapes: {check['real_shapes']}{tag}")
+    for t in check.get("timing", []):
+        what = f"  time {t['path']} {t['n']}x{t['k']} {t['bits']}-bit g{t['group_size']} M={t['rows']}"
+        if t.get("dtype", "float16") != "float16" or t.get("scale_dtype", "float16") != "float16":
+            what += f" {t['dtype']} (scales {t['scale_dtype']})"
+        if "skipped" in t or "error" in t:
+            lines.append(f"{what}: {'skipped: ' + t['skipped'] if 'skipped' in t else 'FAILED: ' + t['error']}{tag}")
+            continue
+        lines.append(f"{what}: zero-point {t['zp_us']:.0f} us ({t['zp_gbps']:.0f} GB/s),"
+                     f" mx.quantized_matmul {t['affine_us']:.0f} us: {t['speedup']:.2f}x;"
+                     f" {'agrees' if t['ok'] else 'DISAGREES'} (max rel error"
+                     f" {t['max_rel_error']:.1e}){tag}")
+    if "timing_note" in check:
+        lines.append(f"  timing: {check['timing_note']}{tag}")
     if "gpu_copy_gbps" in check:
         lines.append(f"  GPU copy bandwidth: {check['gpu_copy_gbps']:.0f} GB/s")
     if "qmm_choice_saved" in check:
-        lines.append(f"  zp_qmm used where it was faster; timings saved to {check['qmm_choice_saved']}")
+        lines.append("  each kernel is used where it was faster; timings saved to "
+                     f"{check['qmm_choice_saved']}")
     return lines
 
 
@@ -188,3 +228,35 @@ def report_lines(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{key}: {value}")
     return "\n".join(lines)
+
+
+class PrefillProgress:
+    """A progress bar (stderr) for prompts long enough to take a while to prefill; a
+    ``prompt_progress_callback``. Use as a context manager."""
+
+    def __init__(self, min_tokens: int = 2048, enabled: bool = True):
+        self.min_tokens, self.enabled, self.progress, self.task = min_tokens, enabled, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None and self.enabled and total >= self.min_tokens and done < total:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.progress = Progress(console=Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("prefill", total=total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> PrefillProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 
 import click
 
 from mlxspec.cli.common import model_option
-from mlxspec.cli.speculative_options import load_draft, speculative_options
+from mlxspec.cli.speculative_options import speculative_options
 
 
 @click.command("serve")
@@ -55,47 +53,21 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
       mlxspec serve --prompt-lookup --port 8000
       mlxspec serve --host 0.0.0.0 --api-key "$KEY"
     """
-    from mlxspec.engine import Engine, make_draft
-    from mlxspec.errors import ServeAddressError
-    from mlxspec.load import load, read_config, resolve_model_path
-    from mlxspec.openai_api import Limits
-    from mlxspec.serve import Server, serve_forever
+    from mlxspec.serving.http import serve_forever
+    from mlxspec.serving.launch import is_loopback, start_server
 
-    if not _is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_key:
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can "
                    "use the model", err=True)
-    path = resolve_model_path(model)
-    nn_model, tokenizer = load(str(path))
-    draft_nn, draft_tokenizer = load_draft(draft_model)
-    draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
-                       prompt_lookup=prompt_lookup, ngram_max=ngram_max,
-                       min_confidence=draft_min_confidence)
-    if max_context is None:
-        max_context = int(read_config(path).get("max_position_embeddings") or 8192)
-    limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
-                    default_max_tokens=max_tokens, max_context=max_context,
-                    max_concurrent=max_concurrent)
-    engine = Engine(nn_model, tokenizer, max_batch=max_batch, prefill_step=prefill_step,
-                    draft=draft, num_draft_tokens=num_draft_tokens,
-                    prompt_cache_size=prompt_cache_size)
-    try:
-        server = Server(engine, model_id=model or os.path.basename(str(path)), host=host,
-                        port=port, api_key=api_key, limits=limits,
-                        allowed_origins=allowed_origins)
-    except OSError as e:
-        raise ServeAddressError(f"cannot listen on {host}:{port}: {e.strerror}; choose another "
-                                "--port or --host") from e
+    server = start_server(
+        model, host=host, port=port, api_key=api_key, max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit, max_context=max_context, max_concurrent=max_concurrent,
+        max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_step=prefill_step,
+        prompt_cache_size=prompt_cache_size, allowed_origins=allowed_origins,
+        draft_model=draft_model, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
+        ngram_max=ngram_max, draft_min_confidence=draft_min_confidence)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
                err=True)
     serve_forever(server, drain_timeout=drain_timeout)
     click.echo("mlxspec serve: stopped", err=True)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,10 +1,9 @@
-"""The speculative decoding options and text-input checks shared by `generate` and `chat`."""
+"""The speculative decoding options shared by `generate`, `chat`, `serve` and `batch`, and the
+draft model they load."""
 
 from __future__ import annotations
 
 import click
-
-from mlxspec.errors import InvalidArgumentError
 
 
 def parse_num_draft_tokens(value: str) -> int | str:
@@ -20,8 +19,13 @@ def parse_num_draft_tokens(value: str) -> int | str:
 
 
 def speculative_options(f):
-    """--draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max, --draft-min-confidence."""
+    """--draft, --draft-model, --num-draft-tokens, --prompt-lookup, --ngram-max,
+    --draft-min-confidence."""
     options = [
+        click.option("--draft", default="auto", show_default=True, expose_value=False,
+                     callback=lambda ctx, param, v: ctx.meta.__setitem__("mlxspec.draft", v),
+                     help="Feature draft (EAGLE-3 head): 'auto' (the head shipped for this "
+                          "model, if any), a head's directory or Hub id, or 'none'."),
         click.option("--draft-model", default=None,
                      help="A smaller model sharing the tokenizer that proposes tokens."),
         click.option("--num-draft-tokens", default="auto", show_default=True,
@@ -48,67 +52,21 @@ def kv_bits_option(f):
         help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache).")(f)
 
 
-def read_text(data: bytes, where: str) -> str:
-    """``data`` decoded as UTF-8, or ``InvalidArgumentError`` naming ``where``."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidArgumentError(
-            f"{where} is not valid UTF-8 (byte {e.start}): convert it to UTF-8 first"
-        ) from None
-
-
-def check_text(text: str, where: str) -> str:
-    """``text`` if it is valid Unicode; undecodable bytes of an argument (surrogate escapes on
-    POSIX) raise ``InvalidArgumentError`` naming ``where``."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgumentError(
-            f"{where} is not valid UTF-8 (character {e.start}): convert it to UTF-8 first"
-        ) from None
-    return text
-
-
-class PrefillProgress:
-    """A progress bar (stderr) for prompts long enough to take a while to prefill; a
-    ``prompt_progress_callback``. Use as a context manager."""
-
-    def __init__(self, min_tokens: int = 2048, enabled: bool = True):
-        self.min_tokens, self.enabled, self.progress, self.task = min_tokens, enabled, None, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.progress is None and self.enabled and total >= self.min_tokens and done < total:
-            from rich.console import Console
-            from rich.progress import Progress
-
-            self.progress = Progress(console=Console(stderr=True), transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task("prefill", total=total)
-        if self.progress is not None:
-            self.progress.update(self.task, completed=done)
-            if done >= total:
-                self.close()
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    def __enter__(self) -> PrefillProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def load_draft(draft_model: str | None):
-    """``(model, tokenizer)`` of the draft model, loaded with mlxspec.load, or ``(None, None)``.
+    """``(model, tokenizer)`` of the draft model, loaded with mlxspec.load; without one, the
+    ``--draft`` feature draft (``(FeatureDraft, None)``, built for the target by
+    ``make_drafter``) or ``(None, None)``.
 
     The tokenizer lets the library check that the draft shares the target's tokenizer.
     """
-    if draft_model is None:
-        return None, None
+    if draft_model is None:  # a feature draft, unless prompt lookup or --draft none
+        ctx = click.get_current_context(silent=True)
+        choice = ctx.meta.get("mlxspec.draft", "none") if ctx is not None else "none"
+        if choice == "none" or ctx.params.get("prompt_lookup"):
+            return None, None
+        from mlxspec.speculative import FeatureDraft
+
+        return FeatureDraft(choice), None
     from mlxspec.load import load
 
     return load(draft_model)

@@ -41,7 +41,7 @@ def command(model_dir, repo, private, force, include, dry_run, message):
       mlxspec upload ./smollm2-q4 me/smollm2-q4 --dry-run
       mlxspec upload ./smollm2-q4 me/smollm2-q4 --private
     """
-    from mlxspec.hub import CARD_FILE, plan_upload, push
+    from mlxspec.publish.hub import CARD_FILE, plan_upload, push
 
     plan = plan_upload(model_dir, repo, include=include, force=force)
     visibility = "private" if private else "public unless the repo exists"

@@ -3,7 +3,7 @@
 //
 // Template: T (activation and output float type), BITS, GROUP_SIZE (G), BM (row capacity: 4, 8
 //           or 16; the loader picks the smallest >= M).
-// Inputs:   x T (M, K); weight uint32 (N, K*BITS/32); scales (N, K/G) float16|bfloat16;
+// Inputs:   x T (M, K); weight uint32 (N, K*BITS/32); scales (N, K/G) float16|bfloat16|float32;
 //           zeros uint32 (N, ceil(K/G*BITS/32)); M, K, N int scalars (M <= BM).
 // Output:   y T (M, N).
 // Grid:     (32, ceil(N/4), 1) threads; threadgroup (32, 2, 1): two simdgroups of 32 lanes, each

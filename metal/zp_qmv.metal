@@ -1,7 +1,7 @@
 // zp_qmv: y = W x for one activation row (decode), W in zero-point form, fused dequantization.
 //
 // Template: T (activation and output float type), BITS, GROUP_SIZE (G).
-// Inputs:   x T (K); weight uint32 (N, K*BITS/32); scales (N, K/G) float16|bfloat16;
+// Inputs:   x T (K); weight uint32 (N, K*BITS/32); scales (N, K/G) float16|bfloat16|float32;
 //           zeros uint32 (N, ceil(K/G*BITS/32)); K, N int scalars.
 // Output:   y T (N).
 // Grid:     (32, ceil(N/4), 1) threads; threadgroup (32, 2, 1): two simdgroups of 32 lanes, each

@@ -7,7 +7,7 @@ Two levers on the memory-bandwidth wall of decoding, stacked: zero-point weight 
 access (PEP 562), so ``mlxspec --help`` or ``from mlxspec import errors`` never load mlx-lm or
 transformers.
 
-The one thing done eagerly is the BLAS set-up (:mod:`mlxspec.blas`, Linux): MLX binds its BLAS
+The one thing done eagerly is the CPU backend's start (:func:`mlxspec.cpu.start`, Linux): MLX binds its BLAS
 when ``mlx.core`` is first imported, so the set-up must come before. Python initialises a
 package before any of its modules, so every ``mlxspec.*`` module that imports mlx gets the
 optimized BLAS without caring about import order; only a script that imports ``mlx.core``
@@ -21,12 +21,9 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-from mlxspec import allocator as _allocator
-from mlxspec import blas as _blas
+from mlxspec import cpu as _cpu
 
-if _allocator.launched_as_command():  # Linux: the command starts over once, on mimalloc
-    _allocator.reexec_on_mimalloc()
-_blas.setup()
+_cpu.start()  # Linux: the command starts over once on mimalloc; MLX's BLAS bound to OpenBLAS
 
 # The version, written once: pyproject.toml reads it from here (tool.setuptools.dynamic).
 __version__ = "0.1.0"
@@ -37,11 +34,11 @@ _LAZY = {
     "load": "mlxspec.load",
     "generate": "mlxspec.generate",
     "stream_generate": "mlxspec.generate",
-    "quantize_to_dir": "mlxspec.quantize_flow",
-    "QuantizeReport": "mlxspec.quantize_flow",
+    "quantize_to_dir": "mlxspec.publish.quantize_flow",
+    "QuantizeReport": "mlxspec.publish.quantize_flow",
     "evaluate": "mlxspec.evaluation",
     "system_report": "mlxspec.system",
-    "batch_generate": "mlxspec.batch",
+    "batch_generate": "mlxspec.serving.batch",
 }
 
 __all__ = [
@@ -50,12 +47,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports these
-    from mlxspec.batch import batch_generate
     from mlxspec.errors import MlxspecError
     from mlxspec.evaluation import evaluate
     from mlxspec.generate import generate, stream_generate
     from mlxspec.load import load
-    from mlxspec.quantize_flow import QuantizeReport, quantize_to_dir
+    from mlxspec.publish.quantize_flow import QuantizeReport, quantize_to_dir
+    from mlxspec.serving.batch import batch_generate
     from mlxspec.system import system_report
 
 

@@ -35,7 +35,12 @@ def best_seconds(run: Callable[[], Any], repeats: int = 5) -> float:
 def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Measured copy bandwidth in GB/s: best of ``repeats`` copies of a ``megabytes`` buffer with
     numpy (a plain memcpy into preallocated memory, so page faults do not count), counting bytes
-    read + bytes written over wall time. MLX's CPU elementwise copy is not a bandwidth probe."""
+    read + bytes written over wall time. MLX's CPU elementwise copy is not a bandwidth probe.
+    On Metal the weights are read by the GPU, so its copy bandwidth is the roofline there."""
+    if mx.metal.is_available():
+        from mlxspec.quant.kernel_timing import gpu_copy_bandwidth
+
+        return gpu_copy_bandwidth(megabytes)
     src = np.ones(megabytes * (1 << 20), dtype=np.uint8)
     dst = np.empty_like(src)
     return 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
@@ -104,9 +109,10 @@ def compare_decode(
         per engine ``prompt_tps``, ``generation_tps``, ``bandwidth_gbs``, ``roofline``, and
         ``decode_ratio`` / ``prefill_ratio`` (mlxspec ÷ mlx-lm).
     """
-    from mlxspec.blas import blas_report
     from mlxspec.chat import chat_prompt
+    from mlxspec.cpu import blas_report
     from mlxspec.load import load
+    from mlxspec.quant import kernels
 
     say = progress or (lambda _msg: None)
     say("loading model")
@@ -135,6 +141,8 @@ def compare_decode(
         "memory_bandwidth_gbs": bandwidth,
         "blas": blas_report(measure=False),
         "device": str(mx.default_device()),
+        # MLXSPEC_KERNELS=emulate: the zero-point kernels ran in the CPU emulator
+        "emulated": kernels.EMULATED if kernels.emulating() else None,
     }
     for name, rs in runs.items():
         med = _median_runs(rs)

@@ -41,7 +41,7 @@ def list_models() -> list[dict[str, str]]:
     """Rows of ``{kind, name, detail}`` for ``mlxspec models``: mlxspec's cache and its size, the
     default model, converted GGUFs, Hub downloads and recipes. Stale conversion work directories
     (their process is gone) are deleted on the way."""
-    from mlxspec.gguf_checks import clean_stale_work_dirs
+    from mlxspec.gguf.checks import clean_stale_work_dirs
 
     home = paths.home()
     gguf_dir = home / "gguf"

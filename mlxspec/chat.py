@@ -22,7 +22,8 @@ from mlxspec.speculative import Drafter, make_drafter
 
 
 def chat_prompt(
-    tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True
+    tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template.
 
@@ -31,6 +32,7 @@ def chat_prompt(
     Args:
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
         add_generation_prompt: end with the header of the assistant's turn.
+        tools: OpenAI ``tools`` entries for a template that takes them (``mlxspec serve``).
 
     Raises:
         UnsupportedModelError: the tokenizer has no chat template.
@@ -41,7 +43,8 @@ def chat_prompt(
         )
     return list(
         tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **({"tools": tools} if tools else {}),
         )
     )
 

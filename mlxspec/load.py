@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
-from mlxspec import blas, cpu_jit, cpu_ops, fused_ops, huge_pages, paths
+from mlxspec import cpu, paths
 from mlxspec.errors import (
     CorruptModelError,
     DefaultModelMissingError,
@@ -144,8 +144,8 @@ def _looks_like_repo_id(spec: str) -> bool:
 
 
 def _gguf_directory(gguf_path: Path, *, progress: bool) -> Path:
-    from mlxspec.gguf import convert_gguf, gguf_cache_key
-    from mlxspec.gguf_checks import clean_stale_work_dirs
+    from mlxspec.gguf.checks import clean_stale_work_dirs
+    from mlxspec.gguf.convert import convert_gguf, gguf_cache_key
 
     out_dir = paths.home() / "gguf" / gguf_cache_key(gguf_path)
     clean_stale_work_dirs(out_dir.parent)  # conversions killed before they finished
@@ -309,7 +309,7 @@ def load(
     Returns:
         ``(model, tokenizer)`` as ``mlx_lm.load`` returns them.
     """
-    cpu_jit.enable()  # CPU-only MLX: its JIT kernels built for this CPU (before any is built)
+    cpu.before_load()  # Linux CPU backend: MLX's JIT kernels built for this CPU
     model_dir = resolve_model_path(model)
     try:
         nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
@@ -322,11 +322,7 @@ def load(
             ) from e
         raise
     check_vocabulary(nn_model, tokenizer, config, model_dir)
-    fused_ops.enable()  # CPU-only MLX: RoPE and RMSNorm as compiled kernels, the same bits
-    cpu_ops.enable()  # CPU-only MLX: attention (and the greedy argmax) as single ops, the same bits
-    if not lazy:
-        huge_pages.back_weights(nn_model)  # Linux CPU: weights onto 2 MB pages (a background thread)
-    blas.refresh_threads()  # Linux: the BLAS threads sized again, past the start-up's own load
+    cpu.prepare(nn_model, lazy=lazy)  # Linux CPU backend: fused ops, attention, huge pages
     return nn_model, tokenizer
 
 

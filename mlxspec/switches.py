@@ -1,6 +1,6 @@
 """The ``MLXSPEC_*`` environment switches that turn a speed-up off, read one way everywhere.
 
-Standard library only: :mod:`mlxspec.allocator` reads its switch before MLX may be imported.
+Standard library only: :mod:`mlxspec.cpu.allocator` reads its switch before MLX may be imported.
 """
 
 from __future__ import annotations

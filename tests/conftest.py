@@ -7,6 +7,7 @@ between local runs (CI starts from a clean clone, so it converts from scratch).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import pytest
 import mlxspec  # noqa: F401  (first: it must load the optimized BLAS before mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
+# Tests live in one folder per package (tests/cpu/, tests/serving/, ...); the helpers they share
+# (tiny_models, chi_square, ...) stay here, importable from every folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MLXSPEC_HOME", str(ROOT / ".cache" / "mlxspec-test"))
 
 # Checks shared by several test files: their asserts report values as the tests' own do.
@@ -26,7 +30,7 @@ SLOWEST_FIRST = (
     "test_speculative_smollm2.py",
     "test_quant_storage_gemma3.py",
     "test_quant_storage.py",
-    "test_serve.py",
+    "test_http.py",
     "test_gguf.py",
     "test_speculative_gemma3.py",
     "test_chat.py",
@@ -40,10 +44,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The default model (SmolLM2-135M-Instruct) converted from its GGUF to an MLX directory."""
+    """The default model (SmolLM2-135M-Instruct) converted from its GGUF to an MLX directory,
+    dequantized to float32 on every device (the float model the tests compare against; the GGUF
+    kept quantized, as ``mlxspec.load()`` runs it, is tests/cpu/test_cpu_quantized.py's)."""
+    from mlxspec.gguf.tensors import dense_conversion
     from mlxspec.load import resolve_model_path
 
-    return resolve_model_path(None)
+    with dense_conversion():
+        return resolve_model_path(None)
 
 
 @pytest.fixture(scope="session")

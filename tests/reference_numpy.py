@@ -1,6 +1,6 @@
 """Float64 numpy forward passes of GGUF models, read straight from the GGUF tensors.
 
-An independent reference for ``mlxspec.gguf``: it reads the file with ``gguf.GGUFReader`` (not
+An independent reference for ``mlxspec.gguf.convert``: it reads the file with ``gguf.GGUFReader`` (not
 mlxspec's parser) and follows llama.cpp's graph, not mlx-lm's, so every fix the converter makes is
 checked rather than repeated:
 

@@ -561,7 +561,7 @@ def test_upload_sends_exactly_the_listed_files(world):
 @pytest.mark.parametrize("occupant", ["file", "foreign-dir", "symlink-to-dir", "symlink-to-file"])
 def test_convert_gguf_never_replaces_what_mlxspec_did_not_create(world, occupant):
     from mlxspec.errors import OutputExistsError
-    from mlxspec.gguf import convert_gguf
+    from mlxspec.gguf.convert import convert_gguf
 
     gguf_path = write_tiny_gguf(world.root / "m.gguf")
     out = world.root / "out"
@@ -593,7 +593,7 @@ def test_read_only_cache_is_one_line_naming_the_path(world, monkeypatch):
 def test_full_disk_during_conversion_is_one_line_and_leaves_no_partial(world, monkeypatch):
     import errno
 
-    from mlxspec import gguf
+    from mlxspec.gguf import convert as gguf
 
     def disk_full(path, *args, **kwargs):
         path.write_bytes(b"half a model")
@@ -639,7 +639,7 @@ def test_a_conversion_under_way_elsewhere_is_waited_for_not_redone(world):
     waits for the first's conversion and uses it, instead of converting again and replacing the
     directory under the first."""
     from mlxspec import paths
-    from mlxspec.gguf import convert_gguf, gguf_cache_key
+    from mlxspec.gguf.convert import convert_gguf, gguf_cache_key
 
     gguf_path = write_tiny_gguf(world.root / "m.gguf")
     gguf_dir = world.root / "home" / "gguf"

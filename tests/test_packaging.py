@@ -68,7 +68,7 @@ def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
     ).stdout
     assert where.startswith(str(env_dir)), where
     # Generation's modules import from the installed wheel alone (no model needed).
-    subprocess.run([str(py), "-c", "import mlxspec.generate, mlxspec.engine, mlxspec.speculative"],
+    subprocess.run([str(py), "-c", "import mlxspec.generate, mlxspec.serving.engine, mlxspec.speculative"],
                    check=True, cwd=tmp_path, capture_output=True)
     for args in (["--version"], ["--help"]):
         result = subprocess.run(

@@ -12,15 +12,16 @@ import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
 from mlxspec.errors import EvaluationError, ModelNotFoundError
+from mlxspec.evaluation.domains import DEFAULT_DOMAIN_WINDOWS, domain_windows
 from mlxspec.evaluation.gate import gate
-from mlxspec.evaluation.metrics import acceptance, compare, perplexity
+from mlxspec.evaluation.metrics import acceptance, compare, compare_domains, perplexity
 from mlxspec.evaluation.records import save_results, source_model
 from mlxspec.evaluation.windows import (
     DEFAULT_WINDOW_TOKENS,
     DEFAULT_WINDOWS,
     take_windows,
 )
-from mlxspec.gguf_quant import dense_conversion
+from mlxspec.gguf.tensors import dense_conversion
 from mlxspec.load import load, read_config, resolve_model_path
 from mlxspec.speculative.tokenizers import check_same_tokenizer
 
@@ -33,11 +34,12 @@ def evaluate(
     draft: ModelSpec = None,
     *,
     text: str | Path | None = None,
-    windows: int = DEFAULT_WINDOWS,
+    windows: int | None = None,
     window_tokens: int = DEFAULT_WINDOW_TOKENS,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Measure ``model`` on fixed token windows, without generating.
+    """Measure ``model`` on fixed token windows, without generating: on the built-in held-out
+    text by domain (:mod:`mlxspec.evaluation.domains`), or on the windows of one ``text`` file.
 
     - with ``draft``: the draft's expected acceptance rate per temperature and the tokens each
       target pass would yield (:func:`~mlxspec.evaluation.acceptance`);
@@ -47,13 +49,19 @@ def evaluate(
 
     Args:
         model, reference, draft: model specs (Hub repo id, directory, .gguf; None: the default).
-        text: a UTF-8 text file to cut the windows from (default: the built-in held-out text).
-        windows, window_tokens: how many windows, of how many tokens.
+        text: a UTF-8 text file to cut the windows from (default: the built-in held-out text,
+            by domain).
+        windows, window_tokens: how many windows, of how many tokens; windows default to
+            ``DEFAULT_DOMAIN_WINDOWS`` per domain of the built-in text, ``DEFAULT_WINDOWS`` of a
+            ``text`` file.
         progress: show a progress bar.
 
     Returns:
         A JSON-ready dict: ``model``, ``text``, ``windows``, ``window_tokens``, then ``draft`` and
         the acceptance keys, or ``reference`` and the comparison keys, or the perplexity keys.
+        On the built-in text the comparison and the perplexity are pooled over the domains and
+        given per domain too (``domains``; a comparison adds ``worst``, the domain of the
+        highest mean KL); acceptance is pooled.
 
     Raises:
         EvaluationError: ``draft`` with ``reference``; a reference that is the model itself.
@@ -67,7 +75,8 @@ def evaluate(
         reference = reference or source_model(read_config(model_dir))
         reference_dir = _reference_dir(reference, model_dir) if reference is not None else None
     nn_model, tokenizer = load(model_dir)
-    token_windows = take_windows(tokenizer, text, windows, window_tokens)
+    by_domain = _windows(tokenizer, text, windows, window_tokens)
+    token_windows = [w for ws in by_domain.values() for w in ws]
     result: dict[str, Any] = {
         "model": str(model if model is not None else model_dir),
         "text": "builtin" if text is None else str(text),
@@ -82,10 +91,13 @@ def evaluate(
                               progress=progress)
         return {**result, "draft": str(draft), **measured}
     if reference_dir is None:
-        return {**result, **perplexity(nn_model, token_windows, progress=progress)}
+        measured = perplexity(nn_model, token_windows, progress=progress)
+        if text is None:
+            measured["domains"] = {d: perplexity(nn_model, w) for d, w in by_domain.items()}
+        return {**result, **measured}
     reference_model, reference_tokenizer = load(reference_dir)
     check_same_tokenizer(tokenizer, reference_tokenizer, "the reference model")
-    measured = compare(nn_model, dense_on_cpu(reference_model), token_windows, progress=progress)
+    measured = _compare(nn_model, dense_on_cpu(reference_model), by_domain, text, progress)
     return {**result, "reference": str(reference), **measured}
 
 
@@ -95,7 +107,7 @@ def evaluate_saved(
     reference: ModelSpec = None,
     thresholds: dict[str, float | None] | None = None,
     text: str | Path | None = None,
-    windows: int = DEFAULT_WINDOWS,
+    windows: int | None = None,
     window_tokens: int = DEFAULT_WINDOW_TOKENS,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -122,9 +134,9 @@ def evaluate_saved(
     model, tokenizer = load(model_dir)
     reference_model, reference_tokenizer = load(reference_dir)
     check_same_tokenizer(tokenizer, reference_tokenizer, "the reference model")
-    token_windows = take_windows(tokenizer, text, windows, window_tokens)
-    results = compare(dense_on_cpu(model), dense_on_cpu(reference_model), token_windows,
-                      progress=progress)
+    by_domain = _windows(tokenizer, text, windows, window_tokens)
+    results = _compare(dense_on_cpu(model), dense_on_cpu(reference_model), by_domain, text,
+                       progress)
     record = {
         "results": results,
         "verdict": gate(results, int(quantization["bits"]), thresholds),
@@ -134,6 +146,19 @@ def evaluate_saved(
     }
     save_results(model_dir, record)
     return record
+
+
+def _windows(tokenizer, text, windows: int, window_tokens: int) -> dict[str, list[list[int]]]:
+    """The windows by domain: the built-in domains, or ``{"text": windows of the file}``."""
+    if text is None:
+        return domain_windows(tokenizer, windows or DEFAULT_DOMAIN_WINDOWS, window_tokens)
+    return {"text": take_windows(tokenizer, text, windows or DEFAULT_WINDOWS, window_tokens)}
+
+
+def _compare(model, reference_model, by_domain, text, progress: bool) -> dict[str, Any]:
+    if text is None:
+        return compare_domains(model, reference_model, by_domain, progress=progress)
+    return compare(model, reference_model, by_domain["text"], progress=progress)
 
 
 def dense_on_cpu(model: nn.Module) -> nn.Module:

@@ -75,31 +75,69 @@ def compare(
         ``perplexity_delta``: model minus reference perplexity; ``perplexity_delta_pct``: relative
         to the reference, in %; ``tokens``: scored positions; ``windows``: windows read.
     """
-    kls, nlls, ref_nlls, agree = [], [], [], 0
-    with progress_bar("comparing with the reference", _total(token_windows), progress) as advance:
+    return _summary(_comparison_arrays(model, reference_model, token_windows,
+                                       "comparing with the reference", progress))
+
+
+def compare_domains(
+    model: nn.Module,
+    reference_model: nn.Module,
+    windows_by_domain: dict[str, Sequence[Sequence[int]]],
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """:func:`compare` on each domain's windows, pooled, and the worst domain.
+
+    Returns:
+        The pooled comparison (every domain's positions together, the keys of :func:`compare`),
+        with ``domains``: ``{domain: comparison}``, and ``worst``: the comparison of the domain
+        with the highest mean KL, plus its name as ``domain``.
+    """
+    if not windows_by_domain:
+        raise EvaluationError("no token windows to evaluate")
+    arrays = {d: _comparison_arrays(model, reference_model, w, f"comparing ({d})", progress)
+              for d, w in windows_by_domain.items()}
+    per = {d: _summary(a) for d, a in arrays.items()}
+    pooled = _summary(tuple(np.concatenate([a[i] for a in arrays.values()]) for i in range(4))
+                      + (sum(a[4] for a in arrays.values()),))
+    worst = max(per, key=lambda d: per[d]["kl_mean"])
+    return {**pooled, "domains": per, "worst": {"domain": worst, **per[worst]}}
+
+
+def _comparison_arrays(model, reference_model, token_windows, label: str, progress: bool):
+    """Per scored position: (KL, same top-1, NLL, reference NLL) as numpy arrays, and the number
+    of windows."""
+    kls, same, nlls, ref_nlls = [], [], [], []
+    with progress_bar(label, _total(token_windows), progress) as advance:
         for window in token_windows:
             _check_window(window)
             logq, logp = _pair_log_probs(model, reference_model, window)
             targets = _targets(window)
             kl = (mx.exp(logp) * (logp - logq)).sum(axis=-1)
-            same = (logp.argmax(axis=-1) == logq.argmax(axis=-1)).sum()
+            agree = logp.argmax(axis=-1) == logq.argmax(axis=-1)
             nll, ref_nll = _nll(logq, targets), _nll(logp, targets)
-            mx.eval(kl, same, nll, ref_nll)
+            mx.eval(kl, agree, nll, ref_nll)
             kls.append(np.array(kl))
+            same.append(np.array(agree))
             nlls.append(np.array(nll))
             ref_nlls.append(np.array(ref_nll))
-            agree += int(same.item())
             advance()
     if not kls:
         raise EvaluationError("no token windows to evaluate")
+    return (np.concatenate(kls), np.concatenate(same), np.concatenate(nlls),
+            np.concatenate(ref_nlls), len(kls))
+
+
+def _summary(arrays) -> dict[str, float | int]:
+    kls, same, nlls, ref_nlls, n_windows = arrays
     # Rounding can make a KL of identical distributions come out a hair below zero.
-    kl = np.maximum(np.concatenate(kls).astype(np.float64), 0.0)
-    ppl, ppl_se = _ppl(np.concatenate(nlls).astype(np.float64))
-    ref_ppl, ref_se = _ppl(np.concatenate(ref_nlls).astype(np.float64))
+    kl = np.maximum(kls.astype(np.float64), 0.0)
+    ppl, ppl_se = _ppl(nlls.astype(np.float64))
+    ref_ppl, ref_se = _ppl(ref_nlls.astype(np.float64))
     return {
         "kl_mean": float(kl.mean()),
         "kl_p99": float(np.percentile(kl, 99)),
-        "top1_agreement": 100.0 * agree / kl.size,
+        "top1_agreement": 100.0 * float(same.mean()),
         "perplexity": ppl,
         "perplexity_se": ppl_se,
         "reference_perplexity": ref_ppl,
@@ -107,7 +145,7 @@ def compare(
         "perplexity_delta": ppl - ref_ppl,
         "perplexity_delta_pct": 100.0 * (ppl - ref_ppl) / ref_ppl,
         "tokens": int(kl.size),
-        "windows": len(kls),
+        "windows": n_windows,
     }
 
 

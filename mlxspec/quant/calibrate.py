@@ -43,8 +43,9 @@ class BlockQuantizer(Protocol):
 
 
 def builtin_calibration_path() -> Path:
-    """The calibration text shipped with the package (``mlxspec/data/calibration.txt``, see
-    ``data/PROVENANCE.md``; disjoint from the evaluation text)."""
+    """The one-author calibration text shipped with the package (``mlxspec/data/calibration.txt``,
+    Jane Austen; see ``data/PROVENANCE.md``): one of the prose sources of the built-in set
+    (:mod:`mlxspec.quant.calibration_set`), and the set mlxspec used before it."""
     return Path(str(resources.files("mlxspec") / "data" / "calibration.txt"))
 
 
@@ -54,19 +55,32 @@ def calibration_windows(
     *,
     windows: int = DEFAULT_CALIBRATION_WINDOWS,
     window_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    model: nn.Module | None = None,
+    conversations: list | None = None,
+    mix: dict[str, float] | None = None,
 ) -> tuple[list[list[int]], str]:
-    """Consecutive token windows of a calibration text and the text's sha256.
+    """Token windows of a calibration text and a sha256 that identifies them.
 
     Args:
         tokenizer: has ``encode(text, add_special_tokens=False)``.
-        path: a UTF-8 text file; None for the built-in calibration text.
+        path: a UTF-8 text file (consecutive windows from its start); None for the built-in
+            multi-domain set (:func:`mlxspec.quant.calibration_set.mixed_windows`).
         windows: at most this many windows (fewer if the text is shorter).
         window_tokens: tokens per window.
+        model, conversations, mix: the built-in set only: the float model that answers the
+            built-in prompts (its chat domain; None leaves it out unless ``conversations``, already
+            generated, are given) and the share of windows per domain.
 
     Returns:
-        ``(windows, sha256 hex of the file's bytes)``.
+        ``(windows, sha256 hex)``: of the file's bytes, or of the built-in set's token windows.
     """
-    path = Path(path) if path is not None else builtin_calibration_path()
+    if path is None:
+        from mlxspec.quant.calibration_set import mixed_windows
+
+        out, record = mixed_windows(tokenizer, model, conversations=conversations,
+                                    windows=windows, window_tokens=window_tokens, mix=mix)
+        return out, record["calibration_sha256"]
+    path = Path(path)
     if not path.is_file():
         raise QuantizationError(f"calibration text not found: {path}")
     data = path.read_bytes()

@@ -3,22 +3,30 @@ fallback elsewhere.
 
 ``zp_matmul(x, weight, scales, zeros, bits=..., group_size=...)`` computes ``x @ W.T`` for a weight
 in the format of :mod:`mlxspec.quant.zp_format`. On Metal it dispatches by the number of activation
-rows M:
+rows M (:func:`route`):
 
-- M = 1: ``zp_qmv`` (decode): fused dequantize + mat-vec, simdgroup reductions;
+- M = 1 (decode): ``zp_qmv`` (:func:`metal_qmv`), fused dequantize + mat-vec, simdgroup
+  reductions -- unless ``mlxspec doctor --kernels`` measured ``mx.quantized_matmul`` faster for
+  this (bits, group size) on this device; ``MLXSPEC_QMV=zp|affine`` overrides;
 - M >= 2 (speculative verification, prefill): ``mx.quantized_matmul`` on the same weights in
   their exact affine form (:func:`mlxspec.quant.zp_format.to_mlx_affine`; MLX's tuned qmm/steel
   kernels), or for 2-16 rows the custom ``zp_qmm`` (:func:`metal_qmm`) where it was *measured*
-  faster on this Mac: ``mlxspec doctor --kernels`` times both per (bits, group size, rows) and
-  saves the table (:func:`qmm_choice_path`); without a measurement the tuned MLX kernels are
-  used. ``MLXSPEC_QMM=zp|affine`` overrides. Nothing dequantizes a whole layer per call (that
-  was a multi-GB transient for large-vocabulary heads).
+  faster on this Mac. ``MLXSPEC_QMM=zp|affine`` overrides.
+
+``mlxspec doctor --kernels`` times both paths per (bits, group size, rows) and saves the table
+(:func:`qmm_choice_path`). Nothing dequantizes a whole layer per call (that would be a multi-GB
+transient for large-vocabulary heads). Scales may be float16, bfloat16 or float32 (the kernels
+read them as float; float32 scales, written by the quantizer for float32 models such as the
+default model, cost 2 more bytes per group than float16 and need no conversion).
 
 Elsewhere (Linux, or ``MLXSPEC_KERNELS=mlx``) every M uses ``mx.quantized_matmul`` on the exact
 affine form; pass ``biases`` precomputed once to avoid rebuilding them on every call.
 
-Every kernel launch goes through :func:`_launch`, so the test suite's emulator can run the exact
-Metal source MLX generates on a CPU (``tests/metal_emu``).
+``MLXSPEC_KERNELS=emulate`` (a contributor mode) takes the Metal path on any machine and runs each
+kernel launch in the CPU emulator of :mod:`mlxspec.metal.emulator`: the same dispatch, grid and
+threadgroup choice and reshapes, the exact kernel text MLX generates; slow, logic only, never a
+speed (docs/metal-emulation.md). Every launch goes through :func:`_launch`, which the tests'
+harness also patches.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -37,7 +46,10 @@ from mlxspec.quant import zp_format
 QMM_MAX_ROWS = 16
 _QMM_CAPACITIES = (4, 8, 16)
 QMM_MEASURED_ROWS = (2, 4, 8, 16)  # row counts doctor --kernels times zp_qmm at
+MEASURED_ROWS = (1, *QMM_MEASURED_ROWS)  # and zp_qmv at 1
 QMM_MIN_SPEEDUP = 1.05  # zp_qmm is used where measured at least this much faster
+KERNELS_ENV = "MLXSPEC_KERNELS"  # "auto" (default), "mlx" (the fallback) or "emulate"
+EMULATED = "emulated on the CPU: logic only, not a Metal speed"  # said by every emulated report
 
 # name -> (input names, output names); the source is metal/<name>.metal, the header zp_common.h.
 KERNELS = {
@@ -48,13 +60,29 @@ KERNELS = {
 _FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def backend() -> str:
-    """``"metal"`` if the zero-point kernels run, else ``"mlx"`` (the affine fallback).
+def kernels_setting() -> str:
+    """``MLXSPEC_KERNELS``: ``"auto"``, ``"mlx"`` or ``"emulate"``."""
+    value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "mlx", "emulate"):
+        raise QuantizationError(f"{KERNELS_ENV}={value!r}: choose auto, mlx or emulate")
+    return value
 
-    ``MLXSPEC_KERNELS=mlx`` forces the fallback (to compare against it on a Mac).
+
+def emulating() -> bool:
+    """Whether the Metal path runs in the CPU emulator (``MLXSPEC_KERNELS=emulate``)."""
+    return kernels_setting() == "emulate"
+
+
+def backend() -> str:
+    """``"metal"`` if the zero-point kernels run (on the GPU, or emulated), else ``"mlx"`` (the
+    affine fallback).
+
+    ``MLXSPEC_KERNELS=mlx`` forces the fallback (to compare against it on a Mac);
+    ``MLXSPEC_KERNELS=emulate`` forces the Metal path, its kernels run by the emulator.
     """
-    if os.environ.get("MLXSPEC_KERNELS", "auto") == "mlx":
-        return "mlx"
+    setting = kernels_setting()
+    if setting != "auto":
+        return "mlx" if setting == "mlx" else "metal"
     return "metal" if mx.metal.is_available() else "mlx"
 
 
@@ -86,6 +114,16 @@ def _measured_speedups() -> dict[tuple[int, int, int], float]:
         return {}  # none, or unreadable: the tuned MLX kernels
 
 
+def use_zp_qmv(bits: int, group_size: int) -> bool:
+    """Whether one activation row goes to ``zp_qmv`` rather than ``mx.quantized_matmul``:
+    ``MLXSPEC_QMV=zp|affine``, else yes unless ``doctor --kernels`` measured it slower on this
+    device (it is the decode kernel; a measurement only takes it away)."""
+    setting = os.environ.get("MLXSPEC_QMV", "auto")
+    if setting in ("zp", "affine"):
+        return setting == "zp"
+    return _measured_speedups().get((bits, group_size, 1), 1.0) >= 1.0
+
+
 def use_zp_qmm(bits: int, group_size: int, rows: int) -> bool:
     """Whether ``rows`` (2-16) activation rows go to ``zp_qmm`` rather than
     ``mx.quantized_matmul``: ``MLXSPEC_QMM=zp|affine``, else the measurement at the nearest
@@ -93,7 +131,7 @@ def use_zp_qmm(bits: int, group_size: int, rows: int) -> bool:
     setting = os.environ.get("MLXSPEC_QMM", "auto")
     if setting in ("zp", "affine"):
         return setting == "zp"
-    measured = next(r for r in QMM_MEASURED_ROWS if r >= rows)
+    measured = next(r for r in QMM_MEASURED_ROWS if r >= max(rows, 2))
     return _measured_speedups().get((bits, group_size, measured), 0.0) >= QMM_MIN_SPEEDUP
 
 
@@ -109,14 +147,28 @@ def save_qmm_choice(rows: list[dict]) -> Path:
     return path
 
 
+def route(rows: int, bits: int, group_size: int) -> str:
+    """The path :func:`metal_matmul` takes for ``rows`` activation rows: ``"zp_qmv"``,
+    ``"zp_qmm"`` or ``"affine"`` (``mx.quantized_matmul`` on the exact affine form)."""
+    if rows == 1:
+        return "zp_qmv" if use_zp_qmv(bits, group_size) else "affine"
+    if rows <= QMM_MAX_ROWS and use_zp_qmm(bits, group_size, rows):
+        return "zp_qmm"
+    return "affine"
+
+
 def describe() -> str:
     """One line for ``mlxspec doctor``: which zero-point matmul path is active and why."""
     if backend() != "metal":
         why = "MLXSPEC_KERNELS=mlx" if mx.metal.is_available() else "Metal is not available"
         return f"zero-point kernels: MLX fallback (exact affine form via mx.quantized_matmul; {why})"
+    slower = sorted(f"{b}-bit g{g}" for (b, g, r), speedup in _measured_speedups().items()
+                    if r == 1 and speedup < 1.0)
+    decode = "zp_qmv for 1 row" + (f" (mx.quantized_matmul for {', '.join(slower)}: measured "
+                                   "faster here)" if slower else "")
     setting = os.environ.get("MLXSPEC_QMM", "auto")
     faster = sorted(f"{b}-bit g{g} M<={r}" for (b, g, r), speedup in _measured_speedups().items()
-                    if speedup >= QMM_MIN_SPEEDUP)
+                    if r > 1 and speedup >= QMM_MIN_SPEEDUP)
     if setting == "zp":
         rows = "zp_qmm for 2-16 rows (MLXSPEC_QMM=zp)"
     elif setting == "affine" or not faster:
@@ -125,7 +177,8 @@ def describe() -> str:
             rows += " (zp_qmm not measured faster here: mlxspec doctor --kernels times it)"
     else:
         rows = f"zp_qmm where measured faster ({', '.join(faster)}), else mx.quantized_matmul"
-    return f"zero-point kernels: Metal (zp_qmv for 1 row; {rows}) from mlxspec.metal"
+    where = f"EMULATED (MLXSPEC_KERNELS=emulate, {EMULATED})" if emulating() else "Metal"
+    return f"zero-point kernels: {where} ({decode}; {rows}) from mlxspec.metal"
 
 
 def _source(name: str) -> str:
@@ -152,7 +205,28 @@ def _kernel(name: str):
 
 def _launch(name: str, **launch) -> list[mx.array]:
     """Run kernel ``name``; ``launch`` holds the keyword arguments of a metal_kernel call."""
+    if emulating():
+        return _emulated(name, launch)
     return _kernel(name)(**launch)
+
+
+def _emulated(name: str, launch: dict) -> list[mx.array]:
+    """``MLXSPEC_KERNELS=emulate``: the launch run by the CPU emulator (said once on stderr)."""
+    from mlxspec.metal import emulator
+
+    reason = emulator.unavailable()
+    if reason:
+        raise QuantizationError(f"{KERNELS_ENV}=emulate: {reason}")
+    _announce_emulation()
+    try:
+        return emulator.launch(_kernel(name), **launch)
+    except emulator.EmulationError as e:
+        raise QuantizationError(f"{name} (emulated): {str(e).strip()}") from e
+
+
+@functools.cache
+def _announce_emulation() -> None:
+    print(f"mlxspec: {KERNELS_ENV}=emulate: Metal kernels {EMULATED} (slow)", file=sys.stderr)
 
 
 def _check(weight: mx.array, scales: mx.array, zeros: mx.array, bits: int, group_size: int):
@@ -161,8 +235,8 @@ def _check(weight: mx.array, scales: mx.array, zeros: mx.array, bits: int, group
     zp_format.check_spec(bits, group_size, k)
     if weight.dtype != mx.uint32 or zeros.dtype != mx.uint32:
         raise QuantizationError("zero-point weight and zeros must be uint32: re-quantize the model")
-    if scales.dtype not in (mx.float16, mx.bfloat16):
-        raise QuantizationError(f"scales must be float16 or bfloat16, not {scales.dtype}")
+    if scales.dtype not in _FLOAT_TYPES:
+        raise QuantizationError(f"scales must be float16, bfloat16 or float32, not {scales.dtype}")
     if scales.shape != (n, k // group_size) or zeros.shape != (
         n,
         zp_format.packed_cols(k // group_size, bits),
@@ -201,8 +275,8 @@ def metal_matmul(
 ) -> mx.array:
     """``x @ W.T`` on Metal. x: (..., K) float16/bfloat16/float32 -> (..., N) of x's dtype.
 
-    One row: the ``zp_qmv`` kernel. More rows: ``mx.quantized_matmul`` on the exact affine form
-    (``biases`` as :func:`fallback_matmul`), or :func:`metal_qmm` where :func:`use_zp_qmm`.
+    The path is :func:`route`'s: ``zp_qmv`` (:func:`metal_qmv`), ``zp_qmm`` (:func:`metal_qmm`)
+    or ``mx.quantized_matmul`` on the exact affine form (``biases`` as :func:`fallback_matmul`).
     """
     n, k = _check(weight, scales, zeros, bits, group_size)
     if x.shape[-1] != k:
@@ -210,23 +284,33 @@ def metal_matmul(
     if x.dtype not in _FLOAT_TYPES:
         raise QuantizationError(f"activations must be float16, bfloat16 or float32, not {x.dtype}")
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    if m == 1:
-        y = _launch(
-            "zp_qmv",
-            inputs=[rows.reshape(k), weight, scales, zeros, k, n],
-            template=_template(x.dtype, bits, group_size),
-            grid=(32, (n + 3) // 4, 1),
-            threadgroup=(32, 2, 1),
-            output_shapes=[(1, n)],
-            output_dtypes=[x.dtype],
-        )[0]
-    elif m <= QMM_MAX_ROWS and use_zp_qmm(bits, group_size, m):
+    path = route(rows.shape[0], bits, group_size)
+    if path == "zp_qmv":
+        y = metal_qmv(rows, weight, scales, zeros, bits=bits, group_size=group_size)
+    elif path == "zp_qmm":
         y = metal_qmm(rows, weight, scales, zeros, bits=bits, group_size=group_size)
     else:
         y = fallback_matmul(rows, weight, scales, zeros, bits=bits, group_size=group_size,
                             biases=biases)
     return y.reshape(*x.shape[:-1], n)
+
+
+def metal_qmv(
+    rows: mx.array, weight: mx.array, scales: mx.array, zeros: mx.array, *, bits: int,
+    group_size: int,
+) -> mx.array:
+    """The ``zp_qmv`` kernel: one row (1, K) -> (1, N) of its dtype. Grid (32, ceil(N / 4)),
+    threadgroup (32, 2): each simdgroup owns 4 output rows."""
+    n, k = _check(weight, scales, zeros, bits, group_size)
+    return _launch(
+        "zp_qmv",
+        inputs=[rows.reshape(k), weight, scales, zeros, k, n],
+        template=_template(rows.dtype, bits, group_size),
+        grid=(32, (n + 3) // 4, 1),
+        threadgroup=(32, 2, 1),
+        output_shapes=[(1, n)],
+        output_dtypes=[rows.dtype],
+    )[0]
 
 
 def metal_qmm(

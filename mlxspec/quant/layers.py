@@ -8,7 +8,10 @@ groups follow a permutation of the input features (``y = x[..., perm] @ W.T``).
 How ``x @ W.T`` runs (:func:`matmul_path`):
 
 - Metal: the zero-point kernels (:func:`mlxspec.quant.kernels.zp_matmul`).
-- CPU (MLX's fallback, e.g. Linux): MLX's CPU ``quantized_matmul`` is a plain loop that redoes the
+- CPU with mlxspec's packed-weight kernel (``mlxspec.cpu.quantized_matmul``, Linux x86-64 with
+  AVX2; faster than a float32 copy through BLAS at 1-24 rows, ``bench/decode.py``): ``"packed"``,
+  no float32 copy at all.
+- CPU without it (``MLXSPEC_CPU_QMM=0``, no compiler): MLX's CPU ``quantized_matmul`` is a plain loop that redoes the
   whole mat-vec for every row of ``x``, while a float32 matmul goes through the optimized BLAS that
   ``import mlxspec`` loads. Measured on a 2-core x86 machine for every layer shape of SmolLM2-135M
   and Gemma-3-270M at M = 1, 2, 4, 8 rows (``bench/quantized.py``, "kernels"), BLAS on a float32
@@ -31,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from mlxspec import cpu
 from mlxspec.errors import QuantizationError
 from mlxspec.quant import kernels, zp_format
 
@@ -71,21 +75,28 @@ def cpu_path_setting() -> str:
 
 def matmul_path(out_features: int, in_features: int) -> str:
     """How a zero-point layer of this shape multiplies on the active backend right now:
-    ``"metal"`` (zero-point kernels), ``"dense"`` (float32 copy + BLAS) or ``"quantized"``
-    (``mx.quantized_matmul`` on the affine form). See the module docstring for the measurements.
+    ``"metal"`` (zero-point kernels), ``"packed"`` (mlxspec's CPU kernel on the packed weight),
+    ``"dense"`` (float32 copy + BLAS) or ``"quantized"`` (``mx.quantized_matmul`` on the affine
+    form). See the module docstring for the measurements.
     """
-    if mx.metal.is_available():  # the device decides: a GPU never holds float32 copies
+    # The device decides (a GPU never holds float32 copies); MLXSPEC_KERNELS=emulate takes the
+    # Metal path on a CPU too.
+    if mx.metal.is_available() or kernels.emulating():
         return "metal" if kernels.backend() == "metal" else "quantized"
     setting = cpu_path_setting()
     if setting != "auto":
         return setting
+    if cpu.quantized_products():
+        return "packed"
     fits = _dense_bytes + 4 * out_features * in_features <= dense_budget()
     return "dense" if fits else "quantized"
 
 
 def describe() -> str:
     """One line for ``mlxspec doctor``: how zero-point layers multiply here."""
-    if mx.metal.is_available():
+    if mx.metal.is_available() or kernels.emulating():
+        if kernels.emulating():
+            return f"zero-point layers: Metal kernels, {kernels.EMULATED} (MLXSPEC_KERNELS=emulate)"
         return ("zero-point layers: Metal kernels" if kernels.backend() == "metal" else
                 "zero-point layers: mx.quantized_matmul on the GPU (MLXSPEC_KERNELS=mlx)")
     setting = cpu_path_setting()
@@ -94,6 +105,8 @@ def describe() -> str:
         return "zero-point layers on CPU: packed, mx.quantized_matmul (MLXSPEC_ZP_CPU=quantized)"
     if setting == "dense":
         return f"zero-point layers on CPU: float32 copy + BLAS for every layer ({used})"
+    if cpu.quantized_products():
+        return "zero-point layers on CPU: packed, mlxspec's CPU kernel (no float32 copies)"
     return (
         "zero-point layers on CPU: float32 copy + BLAS (faster than quantized_matmul at every "
         f"measured shape) within {dense_budget() / 1e9:.1f} GB, packed beyond ({used})"
@@ -174,6 +187,11 @@ class _ZeroPoint(nn.Module):
                 weakref.finalize(d, _release, nbytes)
         if d.path == "dense":
             return (x.astype(mx.float32) @ d.dense.T).astype(x.dtype)
+        if d.path == "packed":
+            y = cpu.quantized_matmul(x, self.weight, self.scales, d.biases,
+                                     group_size=self.group_size, bits=self.bits)
+            if y is not None:  # None: a layout the kernel does not take (5 bits), MLX's own below
+                return y
         return kernels.zp_matmul(
             x, self.weight, self.scales, self.zeros, bits=self.bits,
             group_size=self.group_size, biases=d.biases,

@@ -26,6 +26,7 @@ from mlxspec.speculative.drafters import (
     PromptLookupDrafter,
     output_width,
 )
+from mlxspec.speculative.heads import FeatureDraft, make_feature_drafter
 from mlxspec.speculative.loop import speculative_generate_step, unsupported_reason
 from mlxspec.speculative.planner import DraftLengthPlanner
 from mlxspec.speculative.stats import SpecStats
@@ -37,11 +38,14 @@ __all__ = [
     "DraftLengthPlanner",
     "Drafter",
     "DraftModelDrafter",
+    "FeatureDraft",
     "PromptLookupDrafter",
     "SpecStats",
     "check_same_tokenizer",
     "first_layers_copy",
+    "make_draft",
     "make_drafter",
+    "make_feature_drafter",
     "quantized_copy",
     "speculative_generate_step",
     "unsupported_reason",
@@ -61,8 +65,9 @@ def make_drafter(
     ngram_max: int = 3,
     max_kv_size: int | None = None,
     min_confidence: float = 0.0,
-) -> Drafter:
-    """The drafter for a target ``model``: a draft model sharing its tokenizer, or prompt lookup.
+) -> Drafter | None:
+    """The drafter for a target ``model``: a draft model sharing its tokenizer, prompt lookup,
+    or a feature draft (``draft_model=FeatureDraft(...)``; None when ``"auto"`` finds no head).
 
     Args:
         tokenizer: the target's tokenizer.
@@ -81,6 +86,8 @@ def make_drafter(
         raise UnsupportedModelError(
             "choose one way to draft: a draft model or prompt lookup (not both, not neither)"
         )
+    if isinstance(draft_model, FeatureDraft):  # None when "auto" finds no head for the target
+        return make_feature_drafter(draft_model.spec, model, tokenizer)
     if prompt_lookup:
         return PromptLookupDrafter(ngram_max=ngram_max)
     if draft_tokenizer is not None:
@@ -96,5 +103,30 @@ def make_drafter(
         vocab_size=vocab_size,
         real_vocab=real_vocab_size(tokenizer),
         max_kv_size=max_kv_size,
+        min_confidence=min_confidence,
+    )
+
+
+def make_draft(
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    draft_model: nn.Module | None = None,
+    draft_tokenizer: Any = None,
+    prompt_lookup: bool = False,
+    ngram_max: int = 3,
+    min_confidence: float = 0.0,
+) -> Drafter | None:
+    """The drafter a serving engine or batch job takes (``Engine(draft=...)``): a draft model,
+    prompt lookup, or ``None`` when neither is asked for."""
+    if draft_model is None and not prompt_lookup:
+        return None
+    return make_drafter(
+        tokenizer,
+        model,
+        draft_model=draft_model,
+        draft_tokenizer=draft_tokenizer,
+        prompt_lookup=prompt_lookup,
+        ngram_max=ngram_max,
         min_confidence=min_confidence,
     )

@@ -119,6 +119,11 @@ class Drafter:
         """How many context tokens the drafter must process before it can draft."""
         return 0
 
+    def target_model(self, model: nn.Module) -> nn.Module:
+        """What the loop runs as the target: ``model`` itself, or (a feature draft) a forward of
+        it that also hands the drafter the hidden states it reads."""
+        return model
+
     def unsupported_reason(self) -> str | None:
         """Why this drafter cannot run (e.g. a draft cache that cannot roll back), or None."""
         return None

@@ -112,6 +112,19 @@ def _plain_steps(
             token, logprobs = next_token, next_logprobs
 
 
+def _valid_prefix(
+    processors: Sequence[LogitsProcessor] | None, seen: mx.array | None, drafts: mx.array
+) -> int:
+    """How many of ``drafts`` to verify: all, unless a processor constrains the output (a
+    grammar, ``mlxspec.grammar``) and refuses one; then those before it. A draft model's
+    proposals went through the same processors and pass; prompt lookup's may not."""
+    limit = drafts.size
+    for processor in processors or ():
+        if limit and hasattr(processor, "valid_prefix"):
+            limit = min(limit, processor.valid_prefix(seen, drafts.tolist()[:limit]))
+    return limit
+
+
 def _draft_logits_processor(
     processors: Sequence[LogitsProcessor] | None, seen: mx.array | None
 ) -> Callable[[mx.array, mx.array], mx.array] | None:
@@ -177,6 +190,7 @@ def speculative_generate_step(
     reason = unsupported_reason(prompt_cache, draft)
     if reason is not None:
         raise UnsupportedModelError(f"speculative decoding cannot run: {reason}")
+    model = draft.target_model(model)  # a feature draft reads the verifying pass's hidden states
     processors = logits_processors or None
     seeded = seed is not None and not sampling.greedy
     position = cache_offset(prompt_cache) + prompt.size  # absolute position of the next token
@@ -243,6 +257,7 @@ def speculative_generate_step(
                 proposal = draft.propose(k, sampling, _draft_logits_processor(processors, seen),
                                          keys)
                 drafts = proposal.array[:k]  # maybe not computed yet: one wait for the pass
+                drafts = drafts[: _valid_prefix(processors, seen, drafts)]
                 drafted = drafts.size
                 draft_s = time.perf_counter() - tic
 

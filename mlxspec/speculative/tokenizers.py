@@ -57,3 +57,14 @@ def check_same_tokenizer(tokenizer: Any, other_tokenizer: Any, what: str = "the 
                 f"{what}'s tokenizer has different {kind} ({got[kind]!r}, the model's are "
                 f"{value!r}); use a model of the same family (same tokenizer)"
             )
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 of the token -> id table and the special tokens (what a head records it was
+    trained with; equal fingerprints tokenize alike)."""
+    import hashlib
+    import json
+
+    table = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    payload = json.dumps([table, _special_tokens(tokenizer)], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()

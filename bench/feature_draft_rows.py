@@ -1,0 +1,101 @@
+"""Feature-draft rows of bench/speculative.py (``--rows feature``): the shipped EAGLE-3 head.
+
+On held-out prompts of several kinds (chat answer, code, list, reasoning, editing; none in the
+head's training set), at each temperature, interleaved ``repeats`` times:
+
+    plain          plain decoding
+    feature k=3    the head at a fixed draft length
+    feature auto   the head with auto-k (what `--draft auto` runs)
+    lookup auto    prompt lookup with auto-k
+
+Reported: tokens/s pooled over the repeats (total tokens / total seconds) and against plain
+decoding and prompt lookup; mean accepted length (tokens per target pass); the draft's cost per
+drafted token against one plain target step. Goals checked: feature auto-k >= 1.6x plain at
+T = 0 and >= 1.25x at T = 0.7 (pooled over the prompts), never below 0.97x on any prompt.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mlxspec.chat import chat_prompt
+from mlxspec.speculative.heads import make_feature_drafter
+
+PROMPTS = {
+    "chat": "Why are lighthouses painted in bright colours?",
+    "code": "Write a Python function that validates an email address.",
+    "list": "List five key points about the Silk Road.",
+    "reasoning": "A shop sells pens at 35 cents each. How much do 12 pens cost? Show your work.",
+    "editing": ("Fix the grammar and keep the meaning: 'Octopuses is very clever animal, they "
+                "can opens jars and hides in small places when they is scared.'"),
+}
+
+
+def _pooled(runs: list[dict]) -> float:
+    return sum(r["tokens"] for r in runs) / sum(r["tokens"] / r["tps"] for r in runs)
+
+
+def feature_rows(model, tokenizer, run, max_tokens: int, temps: list[float], seed: int,
+                 repeats: int, log=print, head: str = "auto") -> dict:
+    """The rows; ``run(model, tokenizer, prompt, max_tokens, temp, seed, **spec)`` is
+    bench/speculative.py's ``run_mlxspec``."""
+    drafter = make_feature_drafter(head, model, tokenizer)
+    if drafter is None:
+        return {"error": "no feature draft for this model (no shipped head matches it)"}
+    rows = []
+    for kind, text in PROMPTS.items():
+        prompt = chat_prompt(tokenizer, [{"role": "user", "content": text}])
+        for temp in temps:
+            args = (model, tokenizer, prompt, max_tokens, temp, seed)
+            ways = {
+                "plain": partial(run, *args),
+                "feature_k3": partial(run, *args, draft=drafter, num_draft_tokens=3),
+                "feature_auto": partial(run, *args, draft=drafter, num_draft_tokens="auto"),
+                "lookup_auto": partial(run, *args, prompt_lookup=True, num_draft_tokens="auto"),
+            }
+            runs = {way: [] for way in ways}
+            for _ in range(repeats):
+                for way, call in ways.items():
+                    runs[way].append(call())
+            row = {"kind": kind, "temp": temp}
+            plain_step = 1.0 / _pooled(runs["plain"])
+            for way, results in runs.items():
+                cell = {"tps": round(_pooled(results), 2)}
+                stats = [r["stats"] for r in results if "stats" in r]
+                if stats:
+                    drafted = sum(s["drafted"] for s in stats)
+                    passes = sum(s["target_passes"] - s["plain_passes"] for s in stats)
+                    spec_tokens = sum(s["generated"] for s in stats) - sum(
+                        s["plain_passes"] for s in stats)
+                    cell["mean_accepted_length"] = round(spec_tokens / max(passes, 1), 3)
+                    cell["acceptance"] = round(sum(s["accepted"] for s in stats)
+                                               / max(drafted, 1), 3)
+                    cell["draft_cost_per_target_step"] = round(
+                        sum(s["draft_seconds"] for s in stats) / max(drafted, 1) / plain_step, 3)
+                    cell["mean_k"] = round(sum(s["mean_k"] for s in stats) / len(stats), 2)
+                row[way] = cell
+            base = row["plain"]["tps"]
+            for way in ways:
+                row[way]["vs_plain"] = round(row[way]["tps"] / base, 3)
+            row["feature_auto"]["vs_lookup"] = round(
+                row["feature_auto"]["tps"] / row["lookup_auto"]["tps"], 3)
+            rows.append(row)
+            log(f"{kind:10s} T={temp:<4} plain {base:6.1f}  feature k3 "
+                f"{row['feature_k3']['tps']:6.1f} (len {row['feature_k3'].get('mean_accepted_length')})"
+                f"  feature auto {row['feature_auto']['tps']:6.1f} "
+                f"({row['feature_auto']['vs_plain']}x)  lookup {row['lookup_auto']['tps']:6.1f}")
+    return {"head": head, "rows": rows, "checks": feature_checks(rows, temps)}
+
+
+def feature_checks(rows: list[dict], temps: list[float]) -> dict:
+    def mean_ratio(temp: float) -> float:
+        picked = [r["feature_auto"]["vs_plain"] for r in rows if r["temp"] == temp]
+        return sum(picked) / max(len(picked), 1)
+
+    checks = {"feature auto-k never below 0.97x plain":
+              all(r["feature_auto"]["vs_plain"] >= 0.97 for r in rows)}
+    if 0.0 in temps:
+        checks["feature auto-k >= 1.6x plain at T=0"] = mean_ratio(0.0) >= 1.6
+    if 0.7 in temps:
+        checks["feature auto-k >= 1.25x plain at T=0.7"] = mean_ratio(0.7) >= 1.25
+    return checks

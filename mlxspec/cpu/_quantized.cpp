@@ -1,0 +1,405 @@
+/*
+ * x @ W^T for MLX's affine-quantized W on the CPU back-end, reading W as packed (4 or 8 bits per
+ * weight) instead of through a float32 copy; mlxspec/cpu/quantized.py builds and loads it.
+ *
+ * Layout (MLX's own, mx.quantize with mode "affine"): W (N, K) is stored row-major as uint32
+ * words, each holding 32 / bits consecutive weights from its lowest bits up, so byte j of a row
+ * holds weights 2j (low nibble) and 2j + 1 (high nibble) at 4 bits, weight j at 8 bits. Every
+ * group of g = 32, 64 or 128 consecutive weights of a row has a scale s and a bias b (float32,
+ * float16 or bfloat16, shapes (N, K / g)): w = s * q + b.
+ *
+ * Products of M <= MAX_KERNEL_ROWS rows (decode, verification, small batches) run here. The
+ * integers q are widened to float in registers (LANES floats at a time: 16 with AVX-512, 8 with
+ * AVX2), dequantized there, w = fma(q, s, b), and multiplied into one vector accumulator per
+ * output, acc = fma(w, x, acc), the chunks of the row in order; the lanes are summed once at the
+ * end in a fixed order. A tile of NR rows of W and MR rows of x shares each dequantized vector
+ * over its MR rows of x. Every output's sequence of operations depends only on its row of x and
+ * of W, never on M, on the tile it was computed in, or on the threads: a product of 21 rows gives
+ * each row the bits it gets alone (mlxspec/serving/fused_prefill.py relies on it). At 4 bits the
+ * low nibbles of a chunk are its even weights and the high ones its odd weights, so x is copied
+ * once per call into the same order (chunks of 2 * LANES: even elements, then odd ones).
+ *
+ * Threads: output rows in chunks on the BLAS shim's pool (mlxspec_blas_parallel_for), each chunk
+ * computed whole by one thread. Larger M (prefill) dequantizes W a tile of rows at a time (the
+ * kernel's own w, in x's chunk order, on the pool's threads) and multiplies each tile with
+ * cblas_sgemm (OpenBLAS through the shim).
+ */
+#include <dlfcn.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                            const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                            int ldc);
+
+namespace {
+
+constexpr int MAX_KERNEL_ROWS = 24;  // larger products: dequantized tiles through sgemm
+constexpr int TILE_ROWS = 256;       // rows of W per dequantized tile (sgemm path)
+constexpr double PARALLEL_MIN_WORK = 1 << 16;  // multiply-adds below which one thread computes
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int LANES = 16;
+constexpr int NR = 4, MR = 4;  // rows of W and of x per tile: 16 accumulators of 32 zmm
+constexpr const char *ISA = "avx512";
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float *p) { return _mm512_loadu_ps(p); }
+inline void vstore(float *p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vset1(float s) { return _mm512_set1_ps(s); }
+inline float vsum(V a) {  // fixed order: halves added until one lane is left
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline __m512i widen(const uint8_t *p) {  // LANES bytes -> LANES int32
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+inline V to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+inline __m512i high4(__m512i v) { return _mm512_srli_epi32(v, 4); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int LANES = 8;
+constexpr int NR = 2, MR = 3;  // 6 accumulators of 16 ymm
+constexpr const char *ISA = "avx2";
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float *p) { return _mm256_loadu_ps(p); }
+inline void vstore(float *p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vset1(float s) { return _mm256_set1_ps(s); }
+inline float vsum(V a) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline __m256i widen(const uint8_t *p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+}
+inline V to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+inline __m256i high4(__m256i v) { return _mm256_srli_epi32(v, 4); }
+#else
+#error "mlxspec's quantized CPU kernel needs AVX2 and FMA"
+#endif
+
+constexpr int CHUNK = 2 * LANES;  // weights per unpacking step: two vectors
+
+enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
+
+inline float scalar_at(const void *p, size_t i, int type) {
+  if (type == F32) return static_cast<const float *>(p)[i];
+  const uint16_t h = static_cast<const uint16_t *>(p)[i];
+  if (type == F16) return _cvtsh_ss(h);  // exact, as MLX's float16 -> float32
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Job {
+  int M, N, K, bits, group, groups;
+  size_t row_bytes;
+  const uint8_t *w;
+  const void *scales, *biases;
+  int scale_type, bias_type;
+  const float *xp;  // (M, K) x in chunk order (see the header)
+  float *out;       // (M, N)
+  int rows_per_task;
+};
+
+/* The CHUNK integers at `p` as two float vectors whose elements match xp's order. */
+template <int BITS>
+inline void unpack(const uint8_t *p, V &a, V &b) {
+  if constexpr (BITS == 4) {
+    const auto v = widen(p);  // LANES bytes = CHUNK nibbles
+    a = to_float(low4(v));    // weights 0, 2, 4, ...
+    b = to_float(high4(v));   // weights 1, 3, 5, ...
+  } else {
+    a = to_float(widen(p));
+    b = to_float(widen(p + LANES));
+  }
+}
+
+/* Row n's scales (or biases) as float32 into dst (groups): exact conversions. */
+void row_floats(const void *src, int type, size_t n, int groups, float *dst) {
+  const size_t at = n * groups;
+  int g = 0;
+  if (type == F32) {
+    std::memcpy(dst, static_cast<const float *>(src) + at, groups * sizeof(float));
+    return;
+  }
+  const uint16_t *h = static_cast<const uint16_t *>(src) + at;
+  if (type == F16)
+    for (; g + 8 <= groups; g += 8)
+      _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + g))));
+  for (; g < groups; ++g) dst[g] = scalar_at(h, g, type);
+}
+
+/* Outputs (m0 .. m0 + R - 1, n0 .. n0 + C - 1). Each weight vector is dequantized in registers,
+ * w = fma(q, s, b), and multiplied into its output's one accumulator: acc = fma(w, x, acc), the
+ * chunks in order, the two vectors of a chunk in order; the lanes summed by vsum at the end.
+ * The same operations for every output in every instance (see the header). sb holds the C rows'
+ * scales then biases, (C, 2, groups) float32. */
+template <int BITS, int R, int C>
+void tile(const Job &j, int m0, int n0, const float *sb) {
+  V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  const uint8_t *w[C];
+  for (int c = 0; c < C; ++c) w[c] = j.w + (size_t)(n0 + c) * j.row_bytes;
+  const float *x[R];
+  for (int r = 0; r < R; ++r) x[r] = j.xp + (size_t)(m0 + r) * j.K;
+  const int chunks = j.group / CHUNK;
+  for (int g = 0; g < j.groups; ++g) {
+    for (int k = 0; k < chunks; ++k) {
+      const int e = (g * chunks + k) * CHUNK;
+      V xa[R], xb[R];
+      for (int r = 0; r < R; ++r) xa[r] = vload(x[r] + e), xb[r] = vload(x[r] + e + LANES);
+      for (int c = 0; c < C; ++c) {
+        const V s = vset1(sb[(2 * c) * j.groups + g]), b = vset1(sb[(2 * c + 1) * j.groups + g]);
+        V qa, qb;
+        unpack<BITS>(w[c] + e * BITS / 8, qa, qb);
+        const V wa = vfma(qa, s, b), wb = vfma(qb, s, b);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = vfma(wa, xa[r], acc[r][c]);
+          acc[r][c] = vfma(wb, xb[r], acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) j.out[(size_t)(m0 + r) * j.N + n0 + c] = vsum(acc[r][c]);
+}
+
+template <int BITS, int C>
+void row_block(const Job &j, int n0, float *sb) {
+  for (int c = 0; c < C; ++c) {
+    row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
+    row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
+  }
+  int m = 0;
+  for (; m + MR <= j.M; m += MR) tile<BITS, MR, C>(j, m, n0, sb);
+  switch (j.M - m) {
+    case 1: tile<BITS, 1, C>(j, m, n0, sb); break;
+    case 2: if constexpr (MR > 2) tile<BITS, 2, C>(j, m, n0, sb); break;
+    case 3: if constexpr (MR > 3) tile<BITS, 3, C>(j, m, n0, sb); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void rows(const Job &j, int n0, int n1) {
+  std::vector<float> sb((size_t)2 * NR * j.groups);
+  int n = n0;
+  for (; n + NR <= n1; n += NR) row_block<BITS, NR>(j, n, sb.data());
+  for (; n < n1; ++n) row_block<BITS, 1>(j, n, sb.data());
+}
+
+void task(void *context, int i) {
+  const Job &j = *static_cast<const Job *>(context);
+  const int n0 = i * j.rows_per_task, n1 = std::min(j.N, n0 + j.rows_per_task);
+  if (j.bits == 4)
+    rows<4>(j, n0, n1);
+  else
+    rows<8>(j, n0, n1);
+}
+
+using ParallelFor = void (*)(int, void (*)(void *, int), void *);
+ParallelFor parallel_for() {
+  static auto fn = reinterpret_cast<ParallelFor>(dlsym(RTLD_DEFAULT, "mlxspec_blas_parallel_for"));
+  return fn;
+}
+
+/* x (M, K) with element (m, k) at m * rs + k * cs -> xp (M, K) in chunk order. */
+void prepare_x(const float *x, int64_t rs, int64_t cs, int M, int K, int bits, float *xp) {
+  for (int m = 0; m < M; ++m) {
+    const float *row = x + m * rs;
+    float *dst = xp + (size_t)m * K;
+    for (int e = 0; e < K; e += CHUNK)
+      for (int i = 0; i < CHUNK; ++i) {
+        const int from = bits == 4 ? e + (i < LANES ? 2 * i : 2 * (i - LANES) + 1) : e + i;
+        dst[e + i] = row[from * cs];
+      }
+  }
+}
+
+/* Rows over the pool's threads, each task's rows computed whole by one thread. */
+void run_rows(Job &j, void (*fn)(void *, int), int align) {
+  const double work = (double)j.M * j.N * j.K;
+  ParallelFor pf = parallel_for();
+  if (pf && work >= PARALLEL_MIN_WORK && j.N >= 8 * align) {
+    const int tasks = std::min(16, j.N / (4 * align));
+    j.rows_per_task = ((j.N + tasks - 1) / tasks + align - 1) / align * align;
+    pf((j.N + j.rows_per_task - 1) / j.rows_per_task, fn, &j);
+  } else {
+    j.rows_per_task = j.N;
+    fn(&j, 0);
+  }
+}
+
+/* Rows n0 .. n0 + count - 1 of W as float32 into dst (count, K), in xp's chunk order: the
+ * numbers of the kernel's registers, fma(q, s, b). */
+template <int BITS>
+void dequantize_rows(const Job &j, int n0, int count, float *dst) {
+  std::vector<float> sb((size_t)2 * j.groups);
+  const int chunks = j.group / CHUNK;
+  for (int n = 0; n < count; ++n) {
+    row_floats(j.scales, j.scale_type, n0 + n, j.groups, sb.data());
+    row_floats(j.biases, j.bias_type, n0 + n, j.groups, sb.data() + j.groups);
+    const uint8_t *w = j.w + (size_t)(n0 + n) * j.row_bytes;
+    float *d = dst + (size_t)n * j.K;
+    for (int g = 0; g < j.groups; ++g) {
+      const V s = vset1(sb[g]), b = vset1(sb[j.groups + g]);
+      for (int k = 0; k < chunks; ++k) {
+        const int e = (g * chunks + k) * CHUNK;
+        V qa, qb;
+        unpack<BITS>(w + e * BITS / 8, qa, qb);
+        vstore(d + e, vfma(qa, s, b));
+        vstore(d + e + LANES, vfma(qb, s, b));
+      }
+    }
+  }
+}
+
+struct TileJob {
+  const Job *j;
+  const float *xp;
+  int n0, count;
+  float *tile;
+};
+
+void dequantize_task(void *context, int i) {
+  auto &t = *static_cast<TileJob *>(context);
+  const int per = (t.count + 7) / 8, from = i * per, count = std::min(per, t.count - from);
+  if (count <= 0) return;
+  float *dst = t.tile + (size_t)from * t.j->K;
+  if (t.j->bits == 4)
+    dequantize_rows<4>(*t.j, t.n0 + from, count, dst);
+  else
+    dequantize_rows<8>(*t.j, t.n0 + from, count, dst);
+}
+
+/* M > MAX_KERNEL_ROWS: W a tile of rows at a time dequantized (on the pool's threads) and
+ * multiplied by sgemm (OpenBLAS's threads), x in the same chunk order as the tile's columns. */
+void sgemm_product(const Job &j) {
+  std::vector<float> tile_buf((size_t)TILE_ROWS * j.K);
+  ParallelFor pf = parallel_for();
+  for (int n0 = 0; n0 < j.N; n0 += TILE_ROWS) {
+    TileJob t{&j, j.xp, n0, std::min(TILE_ROWS, j.N - n0), tile_buf.data()};
+    if (pf)
+      pf(8, dequantize_task, &t);
+    else
+      for (int i = 0; i < 8; ++i) dequantize_task(&t, i);
+    cblas_sgemm(101, 111, 112, j.M, t.count, j.K, 1.0f, j.xp, j.K, t.tile, j.K, 0.0f,
+                j.out + n0, j.N);
+  }
+}
+
+int scale_type(mx::Dtype t) {
+  if (t == mx::float32) return F32;
+  if (t == mx::float16) return F16;
+  if (t == mx::bfloat16) return BF16;
+  throw std::invalid_argument("[mlxspec quantized] scales and biases are float32/16 or bfloat16");
+}
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+    const mx::array &x = inputs[0], &w = inputs[1], &s = inputs[2], &b = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto &encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto &input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    Job j{};
+    j.M = (int)x.shape(0), j.K = (int)x.shape(1), j.N = (int)w.shape(0);
+    j.bits = bits_, j.group = group_, j.groups = j.K / group_;
+    j.row_bytes = (size_t)j.K * bits_ / 8;
+    j.w = reinterpret_cast<const uint8_t *>(w.data<uint32_t>());
+    j.scales = s.data<void>(), j.biases = b.data<void>();
+    j.scale_type = scale_type(s.dtype()), j.bias_type = scale_type(b.dtype());
+    j.out = out.data<float>();
+    encoder.dispatch([j, xd = x.data<float>(), rs = x.strides(0), cs = x.strides(1)]() mutable {
+      std::vector<float> xp((size_t)j.M * j.K);
+      prepare_x(xd, rs, cs, j.M, j.K, j.bits, xp.data());
+      j.xp = xp.data();
+      if (j.M > MAX_KERNEL_ROWS)
+        sgemm_product(j);
+      else
+        run_rows(j, task, NR);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+    throw std::runtime_error("[mlxspec quantized] runs on the CPU stream only");
+  }
+
+  const char *name() const override { return "MlxspecCpuQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive &other) const override {
+    auto &o = static_cast<const QuantizedMatmul &>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_, bits_;
+};
+
+/* x (..., K) float32, w (N, K * bits / 32) uint32, scales and biases (N, K / group_size) float32,
+ * float16 or bfloat16; bits 4 or 8, group_size 32, 64 or 128. Returns (..., N) float32. */
+mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::array &scales,
+                           const mx::array &biases, int group_size, int bits) {
+  if ((bits != 4 && bits != 8) || (group_size != 32 && group_size != 64 && group_size != 128))
+    throw std::invalid_argument("[mlxspec quantized] bits 4 or 8, group size 32, 64 or 128");
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || x.ndim() < 1 || w.ndim() != 2 ||
+      scales.ndim() != 2 || biases.ndim() != 2)
+    throw std::invalid_argument("[mlxspec quantized] x float32 (..., K), w uint32 (N, K*bits/32)");
+  const int K = (int)x.shape(-1), N = (int)w.shape(0);
+  if (K % group_size != 0 || (int64_t)w.shape(1) * 32 / bits != K ||
+      scales.shape() != mx::Shape{N, K / group_size} || biases.shape() != scales.shape())
+    throw std::invalid_argument("[mlxspec quantized] shapes do not match");
+  scale_type(scales.dtype()), scale_type(biases.dtype());
+  auto stream = mx::to_stream({});
+  const int M = (int)(x.size() / std::max(K, 1));
+  mx::array x2 = mx::reshape(x, {M, K}, stream);
+  std::vector<mx::array> inputs = {x2, mx::contiguous(w, false, stream),
+                                   mx::contiguous(scales, false, stream),
+                                   mx::contiguous(biases, false, stream)};
+  mx::array y({M, N}, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+              std::move(inputs));
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  return mx::reshape(y, shape, stream);
+}
+
+}  // namespace
+
+NB_MODULE(_mlxspec_cpu_quantized, m) {
+  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.attr("isa") = ISA;
+  m.attr("max_kernel_rows") = MAX_KERNEL_ROWS;
+}

@@ -1,0 +1,269 @@
+"""Attention and the greedy argmax on a CPU-only MLX as single ops: the same bits as MLX's own.
+
+MLX has no CPU attention kernel: ``mx.fast.scaled_dot_product_attention`` composes it from ops
+(q scaled, a BLAS product per row and query head for q k^T, the mask, a softmax, a product per row
+and head for p v), and its softmax runs MLX's ``exp`` one value at a time through libm's
+``fmaf`` (the Linux wheel targets baseline x86-64). Over 8 rows of SmolLM2 (30 layers, 9 heads,
+~100 positions) that is ~9 ms of a ~63 ms decode step, and it grows with every row.
+
+``_ops.cpp`` holds two MLX primitives. The attention makes the same BLAS calls on the same
+operands (a KV head's query heads in one call where mlxspec's BLAS shim computes each output
+alone: the same bits), applies the mask as MLX does and runs MLX's softmax in MLX's order with
+MLX's ``exp`` inlined and vectorized. ``greedy_candidates`` is
+:func:`mlxspec.serving.rows.greedy_candidates` (argmax and near-tie count per row) in one pass
+instead of three scalar ones. Both outputs are bitwise MLX's (``tests/cpu/test_cpu_ops.py``; the
+attention is checked again each time the module loads, else nothing is used). Measured in
+``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
+
+``enable()`` builds the module once per MLX/nanobind/Python version into
+``$MLXSPEC_HOME/cpu_ops/`` (``g++`` against the headers MLX's wheel ships and nanobind's sources,
+~10 s), loads it and puts a dispatcher in ``mx.fast``'s place: float32 inputs with no sinks and
+no explicit stream take the primitive, everything else MLX's own function. ``mlxspec.load``
+enables it. Process-wide, like :mod:`mlxspec.cpu.fused_ops`; ``MLXSPEC_CPU_OPS=0`` keeps MLX's own;
+where Metal is available nothing changes (MLX has real kernels there). Gradients through the
+attention go through MLX's own composition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+
+from mlxspec import paths
+from mlxspec.cpu import jit as cpu_jit
+from mlxspec.switches import turned_off
+
+SOURCE = Path(__file__).with_name("_ops.cpp")
+MODULE_NAME = "_mlxspec_cpu_ops"  # NB_MODULE's name in SOURCE
+SWITCH = "MLXSPEC_CPU_OPS"
+
+_state: dict[str, object] = {}  # "module", "reference" (MLX's function) while enabled; "why" if not
+
+
+class _Unavailable(Exception):
+    """Why the primitive cannot be built or used here (reported by ``describe``)."""
+
+
+def enable() -> bool:
+    """Build (once), load and check the module, and dispatch ``mx.fast``'s attention to it.
+
+    Idempotent. Returns whether it is in place: not where Metal is available, nor with
+    ``MLXSPEC_CPU_OPS=0``, nor where it cannot be built (no ``g++``, no nanobind) or its
+    output differs from MLX's in the check; ``describe()`` says which.
+    """
+    if "module" in _state:
+        return True
+    if turned_off(SWITCH) or mx.metal.is_available():
+        return False
+    try:
+        module = _load(library())
+        _check(module)
+    except _Unavailable as e:
+        _state["why"] = str(e)
+        return False
+    _state.update(module=module, reference=mx.fast.scaled_dot_product_attention)
+    mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+    return True
+
+
+def disable() -> None:
+    """Put MLX's own function back (benchmarks and tests compare the two)."""
+    if "module" in _state:
+        mx.fast.scaled_dot_product_attention = _state.pop("reference")
+        _state.pop("module")
+
+
+def enabled() -> bool:
+    return "module" in _state
+
+
+def describe() -> str:
+    """What ``mlxspec.load`` does with attention and the greedy argmax here (``mlxspec doctor``)."""
+    if mx.metal.is_available():
+        return "MLX's own (Metal kernel)"
+    if enabled():
+        return (f"single ops ({SOURCE.name}), bitwise MLX's own compositions; "
+                f"{SWITCH}=0 turns them off")
+    if turned_off(SWITCH):
+        return f"MLX's own compositions ({SWITCH}=0)"
+    if "why" in _state:
+        return f"MLX's own compositions ({_state['why']})"
+    return f"single ops ({SOURCE.name}) once mlxspec.load builds them (g++, nanobind)"
+
+
+def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
+                                 mask: None | str | mx.array = None, sinks: mx.array | None = None,
+                                 stream=None, **options) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention``: the primitive where it applies, else MLX's own.
+
+    q (B, H, Lq, D), k and v (B, KV, L, D) with H a multiple of KV; mask None, ``"causal"`` or
+    a bool/float32 array broadcastable to (B, H, Lq, L). Returns (B, H, Lq, D).
+    """
+    module = _state.get("module")
+    if module is not None and sinks is None and stream is None and not options:
+        causal = isinstance(mask, str) and mask == "causal"
+        array_mask = mask if isinstance(mask, mx.array) else None
+        if (causal or mask is None or array_mask is not None) and _supported(q, k, v, array_mask):
+            return module.attention(q, k, v, float(scale), array_mask, causal)
+    reference: Callable = _state.get("reference", mx.fast.scaled_dot_product_attention)
+    return reference(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **options)
+
+
+def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array] | None:
+    """Lazily, for logits (rows, vocabulary) float32: each row's argmax (uint32) and how many of
+    its values are >= its largest minus ``tie`` (int32; 0 where the largest is not finite), as
+    :func:`mlxspec.serving.rows.greedy_candidates` computes them; None when not enabled."""
+    module = _state.get("module")
+    if module is None or logits.ndim != 2 or logits.dtype != mx.float32 or 0 in logits.shape:
+        return None
+    return tuple(module.greedy_candidates(logits, float(tie)))
+
+
+def _supported(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> bool:
+    """Inputs the primitive takes: anything else (and every error case) goes to MLX's own."""
+    if not (q.ndim == k.ndim == v.ndim == 4 and q.dtype == k.dtype == v.dtype == mx.float32):
+        return False
+    batch, heads, q_len, dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != dim or heads % k.shape[1]:
+        return False
+    if mask is None:
+        return True
+    if mask.dtype not in (mx.bool_, mx.float32) or mask.ndim > 4:
+        return False
+    target = (batch, heads, q_len, k.shape[2])
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    return all(m in (1, t) for m, t in zip(shape, target, strict=True))
+
+
+# -- building and loading -------------------------------------------------------------------------
+
+
+def _nanobind() -> ModuleType:
+    try:
+        import nanobind
+    except ImportError as e:
+        raise _Unavailable("nanobind is not installed (pip install 'nanobind>=3.1,<3.2')") from e
+    return nanobind
+
+
+def _flags() -> list[str]:
+    """-ffp-contract=off always (fusing what MLX's build does not fuse would change bits); the JIT
+    flags of :mod:`mlxspec.cpu.jit` where the CPU has AVX2 and FMA (they change no result)."""
+    flags = ["-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-DNDEBUG",
+             "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx", "-ffp-contract=off",
+             "-fno-strict-aliasing"]
+    if cpu_jit._cpu_supported():
+        flags += [f for f in cpu_jit.FLAGS if f not in flags]
+    return flags
+
+
+def _compiler() -> list[str]:
+    """``$CXX``, else the first ``g++`` on ``PATH`` that is not :mod:`mlxspec.cpu.jit`'s wrapper
+    (one per cache directory, inherited by child processes: the cache key must not depend on
+    which one a process sees)."""
+    if os.environ.get("CXX", "").strip():
+        return shlex.split(os.environ["CXX"])
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which("g++", path=directory) if directory else None
+        if candidate is None:
+            continue
+        try:
+            head = Path(candidate).read_bytes()[:200]
+        except OSError:
+            continue
+        if b"mlxspec/cpu/jit.py" not in head:
+            return [candidate]
+    return ["g++"]
+
+
+def library(source: Path = SOURCE, module_name: str = MODULE_NAME,
+            extra_flags: tuple[str, ...] = ()) -> Path:
+    """The built module, compiled on first use into ``$MLXSPEC_HOME/cpu_ops/``.
+
+    The cache key covers the source, MLX's and nanobind's versions, the Python ABI, the machine
+    and the flags. Built under a lock and a temporary name, so concurrent first uses build once.
+    ``source``/``module_name``/``extra_flags``: another module of this package built the same way
+    (:mod:`mlxspec.cpu.quantized`).
+    """
+    nanobind = _nanobind()
+    compiler = _compiler()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    flags = [*_flags(), *extra_flags]
+    key_text = "\n".join([source.read_text(), mx.__version__, nanobind.__version__, suffix,
+                          platform.machine(), *flags, *compiler])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    directory = paths.home() / "cpu_ops"
+    target = directory / key / f"{module_name}{suffix}"
+    if target.is_file():
+        return target
+    mlx_root = Path(mx.__file__).resolve().parent
+    nb_root = Path(nanobind.__file__).resolve().parent
+    with paths.locked_directory(directory):
+        if target.is_file():
+            return target
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
+            os.close(fd)
+        except OSError as e:
+            raise _Unavailable(f"cannot write {directory} ({e.strerror}); set MLXSPEC_HOME to a "
+                               "writable directory") from e
+        command = [*compiler, *flags, f"-I{sysconfig.get_paths()['include']}",
+                   f"-I{nb_root / 'include'}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
+                   f"-I{mlx_root / 'include'}", str(source), str(nb_root / "src" / "nb_combined.cpp"),
+                   f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}", "-o", tmp]
+        if sys.stderr.isatty():  # a person waiting; scripts reading stderr get nothing new
+            print("mlxspec: building its CPU ops (once, ~10 s)", file=sys.stderr, flush=True)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            os.unlink(tmp)
+            raise _Unavailable(f"no working C++ compiler ({e}); install g++ or set CXX") from e
+        if result.returncode != 0:
+            os.unlink(tmp)
+            errors = [line for line in result.stderr.splitlines() if "error" in line]
+            raise _Unavailable(f"compiling {source.name} failed: "
+                               f"{(errors or result.stderr.splitlines() or ['no output'])[0]}")
+        os.replace(tmp, target)
+    return target
+
+
+def _load(path: Path, module_name: str = MODULE_NAME) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        raise _Unavailable(f"loading {path.name} failed ({e})") from e
+    return module
+
+
+def _check(module: ModuleType) -> None:
+    """The primitive against MLX's own on a small GQA case with a bool mask and a causal one:
+    bitwise, or it stays off (another MLX version, another BLAS order, another SIMD width)."""
+    keys = mx.random.split(mx.random.key(0), 3)
+    q, k, v = (mx.random.normal(shape, key=key) for shape, key in
+               zip([(2, 4, 3, 16), (2, 2, 21, 16), (2, 2, 21, 16)], keys, strict=True))
+    mask = mx.arange(21)[None, None, None, :] >= mx.array([0, 5])[:, None, None, None]
+    reference = mx.fast.scaled_dot_product_attention
+    try:
+        for mask_arg, array_mask, causal in ((mask, mask, False), ("causal", None, True)):
+            expected = reference(q, k, v, scale=0.25, mask=mask_arg)
+            got = module.attention(q, k, v, 0.25, array_mask, causal)
+            if not mx.array_equal(expected, got).item():
+                raise _Unavailable("its output differs from MLX's own here")
+    except (TypeError, RuntimeError, ValueError) as e:  # e.g. another nanobind ABI than MLX's
+        raise _Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e

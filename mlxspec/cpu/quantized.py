@@ -1,0 +1,197 @@
+"""Affine-quantized products on a CPU-only MLX read the packed weights: no float32 copies.
+
+MLX's CPU ``quantized_matmul`` redoes a scalar mat-vec for every row of ``x``, slower than a
+float32 copy through OpenBLAS; but a float32 copy makes SmolLM2-135M read 538 MB per token instead
+of ~98 at 4 bits (``bytes_per_token`` in ``bench/results/decode.json``). ``_quantized.cpp`` holds
+one MLX primitive for ``x @ W.T`` on MLX's own affine layout (uint32-packed 4- and 8-bit weights, a
+scale and a bias per group of 32, 64 or 128 in float32, float16 or bfloat16): products of up to
+``max_kernel_rows`` (24) rows unpack the integers in registers (AVX-512 where the CPU has it, else
+AVX2), one output's sum computed the same way whatever the number of rows (the fused prefill of
+:mod:`mlxspec.serving.fused_prefill` relies on it); larger products (prefill) dequantize W a tile
+at a time into the float32 values a dense copy would hold and multiply them with sgemm. Measured in
+``bench/decode.py``.
+
+Where it runs: :func:`matmul` is what ``mlxspec.cpu.quantized_matmul`` calls (zero-point layers of
+:mod:`mlxspec.quant.layers`); :func:`install` gives a model's ``nn.QuantizedLinear`` and
+``nn.QuantizedEmbedding`` layers the kernel (their class swapped for a subclass: the same
+parameters, the same ``isinstance``), from ``mlxspec.cpu.prepare``. Models loaded through
+plain mlx-lm are untouched: ``mx.quantized_matmul`` itself is not replaced.
+
+Built once per MLX/nanobind/Python version and ISA into ``$MLXSPEC_HOME/cpu_ops/``
+(:func:`mlxspec.cpu.ops.library`) and checked against a float64 product when it loads.
+``MLXSPEC_CPU_QMM=0`` keeps MLX's own products (and float32 copies where mlxspec made them),
+``MLXSPEC_CPU_QMM=avx2`` builds the AVX2 kernel on an AVX-512 CPU (benchmarks). Only where Metal
+is unavailable, on a Linux x86-64 CPU with AVX2, FMA and F16C.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxspec.cpu import jit as cpu_jit
+from mlxspec.cpu import ops
+from mlxspec.switches import turned_off
+
+SOURCE = Path(__file__).with_name("_quantized.cpp")
+MODULE_NAME = "_mlxspec_cpu_quantized"  # NB_MODULE's name in SOURCE
+SWITCH = "MLXSPEC_CPU_QMM"
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+_state: dict[str, object] = {}  # "module" once loaded and checked; "why" when it cannot be
+_lock = threading.Lock()
+
+
+def _extra_flags() -> tuple[str, ...]:
+    flags = cpu_jit.cpuinfo().get("flags", "").split()
+    if os.environ.get(SWITCH, "").strip().lower() == "avx2" or not all(f in flags for f in AVX512):
+        return ()
+    return tuple(f"-m{f}" for f in AVX512)
+
+
+def enable() -> bool:
+    """Build (once), load and check the kernel. Idempotent and thread-safe; returns whether it is
+    usable here (not on Metal, not with ``MLXSPEC_CPU_QMM=0``, not without g++/nanobind/AVX2)."""
+    if turned_off(SWITCH) or mx.metal.is_available():  # read at every call: tests, A/B runs
+        return False
+    if "module" in _state:
+        return True
+    if "why" in _state:
+        return False
+    with _lock:
+        if "module" in _state or "why" in _state:
+            return "module" in _state
+        try:
+            if not cpu_jit._cpu_supported():
+                raise ops._Unavailable("needs a Linux x86-64 CPU with AVX2, FMA and F16C")
+            module = ops._load(ops.library(SOURCE, MODULE_NAME, _extra_flags()), MODULE_NAME)
+            _check(module)
+        except ops._Unavailable as e:
+            _state["why"] = str(e)
+            return False
+        _state["module"] = module
+    return True
+
+
+def enabled() -> bool:
+    return "module" in _state
+
+
+def describe() -> str:
+    """How quantized products run on this CPU (``mlxspec doctor``)."""
+    if mx.metal.is_available():
+        return "not used (Metal)"
+    if turned_off(SWITCH):
+        return f"MLX's own quantized_matmul / float32 copies ({SWITCH}=0)"
+    if enabled():
+        module = _state["module"]
+        return (f"packed 4/8-bit products ({SOURCE.name}, {module.isa}): up to "
+                f"{module.max_kernel_rows} rows in registers, more as dequantized tiles + sgemm; "
+                f"{SWITCH}=0 turns it off")
+    if "why" in _state:
+        return f"MLX's own quantized_matmul / float32 copies ({_state['why']})"
+    return f"packed 4/8-bit products ({SOURCE.name}) once mlxspec.load builds them (g++, nanobind)"
+
+
+def supported(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+              bits: int, mode: str = "affine") -> bool:
+    """Whether the kernel takes a weight of this layout (else MLX's own product is used)."""
+    return (mode == "affine" and bits in BITS and group_size in GROUP_SIZES
+            and biases is not None and weight.dtype == mx.uint32 and weight.ndim == 2
+            and scales.dtype in SCALE_TYPES and biases.dtype in SCALE_TYPES
+            and scales.shape == biases.shape
+            and scales.shape == (weight.shape[0], weight.shape[1] * 32 // bits // group_size))
+
+
+def matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, *,
+           group_size: int, bits: int, mode: str = "affine") -> mx.array | None:
+    """``x @ W.T`` lazily, for ``x`` (..., K) float and W (N, K) in MLX's affine layout (``weight``
+    uint32 (N, K * bits / 32), ``scales`` and ``biases`` (N, K / group_size)); returns (..., N) in
+    ``x``'s dtype (computed in float32), or None when the kernel is not enabled or does not take
+    this layout."""
+    module = _state.get("module")
+    if (module is None or turned_off(SWITCH) or x.ndim < 1 or x.dtype not in SCALE_TYPES or x.size == 0
+            or not supported(weight, scales, biases, group_size, bits, mode)
+            or x.shape[-1] != weight.shape[1] * 32 // bits):
+        return None
+    y = module.quantized_matmul(x.astype(mx.float32), weight, scales, biases, group_size, bits)
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose product runs on the kernel where it takes the layout."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = matmul(x, self["weight"], self["scales"], self.get("biases"),
+                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose tied output head runs on the kernel (lookups unchanged)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = matmul(x, self["weight"], self["scales"], self.get("biases"),
+                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return super().as_linear(x) if y is None else y
+
+
+_SWAPS = ((nn.QuantizedLinear, QuantizedLinear), (nn.QuantizedEmbedding, QuantizedEmbedding))
+
+
+def install(model: nn.Module) -> int:
+    """Give ``model``'s MLX quantized layers the kernel (their class only: parameters, saving
+    and ``isinstance`` unchanged). Returns how many layers now use it (0 when not enabled)."""
+    if not enable():
+        return 0
+    count = 0
+    for _, module in model.named_modules():
+        for base, cls in _SWAPS:
+            if type(module) is base and supported(module["weight"], module["scales"],
+                                                  module.get("biases"), module.group_size,
+                                                  module.bits, module.mode):
+                module.__class__ = cls
+                count += 1
+    return count
+
+
+def reference(x: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+              group_size: int, bits: int) -> np.ndarray:
+    """``x @ W.T`` in float64 from MLX's layout (numpy arrays; scales/biases as float): the
+    reference the kernel is checked against, here and in the tests."""
+    w = weight.astype(np.uint64)
+    per_word = 32 // bits
+    q = (w[:, :, None] >> (bits * np.arange(per_word, dtype=np.uint64))) & ((1 << bits) - 1)
+    q = q.reshape(weight.shape[0], -1).astype(np.float64)
+    s = np.repeat(scales.astype(np.float64), group_size, axis=1)
+    b = np.repeat(biases.astype(np.float64), group_size, axis=1)
+    return x.astype(np.float64) @ (s * q + b).T
+
+
+def _check(module: ModuleType) -> None:
+    """The kernel (1 and 3 rows) and the tile path (30 rows) against :func:`reference`: within
+    float32 rounding, or it stays off."""
+    rng = np.random.default_rng(0)
+    for bits, rows in ((4, 1), (8, 3), (4, 30)):
+        w = mx.array(rng.integers(0, 2**32, size=(20, 64 * bits // 32), dtype=np.uint32))
+        s = mx.array(rng.uniform(0.01, 0.1, size=(20, 2)).astype(np.float16))
+        b = mx.array(rng.uniform(-1, 1, size=(20, 2)).astype(np.float16))
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        expected = reference(x, np.array(w), np.array(s), np.array(b), 32, bits)
+        try:
+            got = np.array(module.quantized_matmul(mx.array(x), w, s, b, 32, bits))
+        except (TypeError, RuntimeError, ValueError) as e:
+            raise ops._Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
+        if not np.allclose(got, expected, rtol=1e-4, atol=1e-3):
+            raise ops._Unavailable("its output differs from a float64 product here")

@@ -1,0 +1,78 @@
+"""``start_server``: the model, its drafter, the engine and the HTTP server of ``mlxspec serve``,
+built from the command's options (the command itself only parses them and waits)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Iterable
+
+from mlxspec.errors import ServeAddressError
+from mlxspec.serving.http import Server
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_server(
+    model: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    max_tokens: int = 512,
+    max_tokens_limit: int = 4096,
+    max_context: int | None = None,
+    max_concurrent: int = 64,
+    max_body_bytes: int = 1 << 20,
+    max_batch: int = 32,
+    prefill_step: int = 512,
+    prompt_cache_size: int = 8,
+    allowed_origins: Iterable[str] = (),
+    draft_model: str | None = None,
+    num_draft_tokens: int | str = "auto",
+    prompt_lookup: bool = False,
+    ngram_max: int = 3,
+    draft_min_confidence: float = 0.0,
+) -> Server:
+    """Load ``model`` (and ``draft_model``), and listen on ``host:port``; the caller runs
+    :func:`mlxspec.serving.http.serve_forever` on the result. ``max_context`` defaults to the
+    model's ``max_position_embeddings`` (8192 when the config has none).
+
+    Raises:
+        ServeAddressError: the address cannot be listened on.
+    """
+    from mlxspec.load import load, read_config, resolve_model_path
+    from mlxspec.serving.engine import Engine
+    from mlxspec.serving.openai_api import Limits
+    from mlxspec.speculative import make_draft
+
+    path = resolve_model_path(model)
+    nn_model, tokenizer = load(str(path))
+    draft_nn, draft_tokenizer = load(draft_model) if draft_model is not None else (None, None)
+    draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
+                       prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+                       min_confidence=draft_min_confidence)
+    if max_context is None:
+        max_context = int(read_config(path).get("max_position_embeddings") or 8192)
+    limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
+                    default_max_tokens=max_tokens, max_context=max_context,
+                    max_concurrent=max_concurrent)
+    engine = Engine(nn_model, tokenizer, max_batch=max_batch, prefill_step=prefill_step,
+                    draft=draft, num_draft_tokens=num_draft_tokens,
+                    prompt_cache_size=prompt_cache_size)
+    try:
+        return Server(engine, model_id=model or os.path.basename(str(path)), host=host,
+                      port=port, api_key=api_key, limits=limits,
+                      allowed_origins=tuple(allowed_origins))
+    except OSError as e:
+        engine.close()
+        raise ServeAddressError(f"cannot listen on {host}:{port}: {e.strerror}; choose another "
+                                "--port or --host") from e
