@@ -221,9 +221,14 @@ def calibration_set_file(name: str, which: str, out_root: str) -> str:
     path = Path(out_root) / f"{name}-calibration-mix.txt"
     if not path.exists():
         model, tokenizer = load(str(resolve_model_path(model_spec(name))))
+        from mlxspec.publish.self_calibration import generate_conversations
+
+        conversations = generate_conversations(model, tokenizer, calibration_set.chat_prompts_needed(
+            calibrate.DEFAULT_CALIBRATION_WINDOWS, calibrate.DEFAULT_CALIBRATION_TOKENS),
+            progress=True)
         windows, _ = calibration_set.mixed_windows(
-            tokenizer, model, windows=calibrate.DEFAULT_CALIBRATION_WINDOWS,
-            window_tokens=calibrate.DEFAULT_CALIBRATION_TOKENS, progress=True)
+            tokenizer, conversations=conversations, windows=calibrate.DEFAULT_CALIBRATION_WINDOWS,
+            window_tokens=calibrate.DEFAULT_CALIBRATION_TOKENS)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(calibration_set.windows_text(tokenizer, windows), encoding="utf-8")
     return str(path)

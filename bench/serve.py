@@ -89,8 +89,8 @@ def free_port() -> int:
 
 def start_server(kind: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:
     if kind == "mlx_lm":  # same back-end as mlxspec: BLAS set-up, fused ops, JIT flags, CPU ops
-        code = ("import sys, mlxspec; from mlxspec import cpu_jit, cpu_ops, fused_ops; "
-                "fused_ops.enable(); cpu_jit.enable(); cpu_ops.enable(); "
+        code = ("import sys, mlxspec; from mlxspec import cpu; "
+                "cpu.before_load(); cpu.prepare(None); "
                 "from mlx_lm.server import main; "
                 "sys.argv = ['mlx_lm.server'] + sys.argv[1:]; main()")
         cmd = [sys.executable, "-c", code, "--model", model, "--port", str(port),

@@ -5,6 +5,7 @@ Imports nothing heavy: every command module is imported for ``mlxspec --help``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import click
@@ -19,6 +20,25 @@ def model_option(f):
         default=None,
         help="Hub repo id, model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).",
     )(f)
+
+
+def shard_option(f):
+    """``--shard tensor|pipeline``: the command (run under ``mlx.launch``) gets ``shard`` and runs
+    inside :func:`mlxspec.distributed.sharded_run` (a lost rank is one ``error:`` line)."""
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        if kwargs.get("shard") is None:
+            return f(*args, **kwargs)
+        from mlxspec.distributed import sharded_run
+
+        with sharded_run(kwargs["shard"]):
+            return f(*args, **kwargs)
+
+    return click.option(
+        "--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
+        help="Shard the model over the processes of `mlx.launch` (see docs/distributed.md).",
+    )(run)
 
 
 def _finite(ctx, param, value):

@@ -7,7 +7,13 @@ import sys
 
 import click
 
-from mlxspec.cli.common import check_text, model_option, read_text, sampling_options
+from mlxspec.cli.common import (
+    check_text,
+    model_option,
+    read_text,
+    sampling_options,
+    shard_option,
+)
 from mlxspec.cli.render import PrefillProgress, stats_line
 from mlxspec.cli.speculative_options import kv_bits_option, load_draft, speculative_options
 
@@ -24,12 +30,13 @@ from mlxspec.cli.speculative_options import kv_bits_option, load_draft, speculat
 @sampling_options
 @speculative_options
 @kv_bits_option
+@shard_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 @click.option("--json-schema", default=None, metavar="FILE",
               help="Answer only JSON valid under this JSON schema (constrained decoding).")
 def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_tokens, temp, top_p,
             top_k, min_p, seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
-            draft_min_confidence, kv_bits, as_json, json_schema):
+            draft_min_confidence, kv_bits, shard, as_json, json_schema):
     """Generate text from a prompt, streaming it, then print speed and memory statistics.
 
     \b
@@ -42,16 +49,16 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     """
     from mlxspec.benchmark import model_bytes
     from mlxspec.chat import chat_prompt
+    from mlxspec.distributed import group_report, load_sharded
     from mlxspec.generate import stream_generate
     from mlxspec.grammar import read_json_schema, schema_processor
-    from mlxspec.load import load
 
     prompt = read_text(sys.stdin.buffer.read(), "standard input") if prompt == "-" else prompt
     check_text(prompt, "--prompt")
     if system is not None:
         check_text(system, "--system")
     schema = read_json_schema(json_schema) if json_schema is not None else None
-    nn_model, tokenizer = load(model)
+    nn_model, tokenizer = load_sharded(model, shard)
     processors = [schema_processor(tokenizer, schema)] if json_schema is not None else None
     draft, draft_tokenizer = load_draft(draft_model)
     if tokenizer.chat_template and not no_chat_template:
@@ -74,7 +81,10 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
                 click.echo(last.text, nl=False)
     nbytes = model_bytes(nn_model)
     if as_json:
-        click.echo(json.dumps(last.as_dict(text, nbytes), indent=2))
+        result = last.as_dict(text, nbytes)
+        if shard is not None:
+            result["group"] = {**group_report(), "layout": nn_model.shard_layout}
+        click.echo(json.dumps(result, indent=2))
         return
     click.echo()
     click.echo(stats_line(last, nbytes), err=True)

@@ -93,7 +93,7 @@ def reference_topics(parity: int, avoid: str = "") -> str:
 def chat_answers(prompts_file: str, out: str) -> None:
     """The float SmolLM2's answers to held-out prompts, as conversations (JSON lines)."""
     import mlxspec
-    from mlxspec.quant.calibration_set import generate_conversations
+    from mlxspec.publish.self_calibration import generate_conversations
 
     model, tokenizer = mlxspec.load()
     prompts = (HERE / prompts_file).read_text(encoding="utf-8").splitlines()

@@ -77,7 +77,7 @@ def generate_samples(
         batch_size: sequences decoded together (default: ``choose_batch_size``).
 
     Returns:
-        All samples, the ones from earlier runs included, in id order.
+        The samples of ``instructions`` (earlier runs' included), in id order.
     """
     from mlxspec.serving.batch import batch_generate, choose_batch_size
     from mlxspec.serving.requests import Request
@@ -115,7 +115,7 @@ def generate_samples(
                 done[i] = row
                 advance()
             out.flush()
-    return [done[i] for i in sorted(done)]
+    return [done[i] for i in sorted(done) if i < len(instructions)]
 
 
 def _end_with_newline(path: Path) -> None:

@@ -42,7 +42,6 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K as GGUFQ4K
 
-from mlxspec import cpu
 from mlxspec.errors import UnsupportedModelError
 from mlxspec.progress import progress_bar
 from mlxspec.quant import zp_format
@@ -61,7 +60,7 @@ def import_mode() -> str:
         raise UnsupportedModelError(f"{MODE_ENV}={value!r}: choose auto, dense or quantized")
     if value != "auto":
         return value
-    return "quantized" if mx.metal.is_available() or cpu.quantized_products() else "dense"
+    return "quantized" if mx.metal.is_available() else "dense"
 
 
 @contextlib.contextmanager

@@ -102,8 +102,8 @@ def quantize_to_dir(
         act_order: GPTQ visits columns by decreasing activation (zp format only).
         calibration, calibration_windows, calibration_tokens: the calibration text of the
             calibrated methods and of distillation and how much of it to use; default the
-            built-in multi-domain set (:mod:`mlxspec.quant.calibration_set`), whose chat domain
-            is the source model's own answers to built-in prompts (generated first).
+            built-in multi-domain set (:mod:`mlxspec.quant.calibration_set`; with a chat share
+            in its mix, the source model's own answers to built-in prompts, generated first).
         distill_epochs: then tune the scales by distillation from the source on the calibration
             text for this many epochs (:mod:`mlxspec.quant.distill`; 0: no distillation). The
             most accurate result, at many times the quantizer's time on a CPU.
@@ -174,12 +174,14 @@ def quantize_to_dir(
     # quantizing, for every use of the set below.
     conversations = None
     if calibration is None and (method in CALIBRATED or distill_epochs):
+        from mlxspec.publish.self_calibration import generate_conversations
         from mlxspec.quant import calibration_set
 
-        if getattr(tokenizer, "chat_template", None):
+        chat = calibration_set.DEFAULT_MIX.get("chat", 0) > 0  # on in the measured default
+        if chat and getattr(tokenizer, "chat_template", None):
             prompts = (calibration_set.prompts() if distill_epochs else
                        calibration_set.chat_prompts_needed(n_windows, n_tokens))
-            conversations = calibration_set.generate_conversations(nn_model, tokenizer, prompts,
+            conversations = generate_conversations(nn_model, tokenizer, prompts,
                                                                    progress=progress)
     tokens = None
     if method in CALIBRATED:

@@ -138,8 +138,11 @@ def test_install_gives_mlx_quantized_layers_the_kernel_and_leaves_mx_alone():
 
 @pytest.fixture(scope="module")
 def packed():
-    """(model, tokenizer) of the default model as ``mlxspec.load()`` gives it on this CPU."""
-    return mlxspec.load()
+    """(model, tokenizer) of the default model with its GGUF blocks kept packed
+    (``MLXSPEC_GGUF_WEIGHTS=quantized``; the default converts GGUF files to float32 on a CPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXSPEC_GGUF_WEIGHTS", "quantized")
+        return mlxspec.load()
 
 
 def _greedy(model, prompt: list[int], steps: int) -> list[int]:

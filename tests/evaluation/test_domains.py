@@ -88,8 +88,9 @@ def test_builtin_calibration_mixes_every_domain_interleaved(tiny):
     conversations = [[{"role": "user", "content": q},
                       {"role": "assistant", "content": f"An answer to: {q[::-1]}"}]
                      for q in calibration_set.prompts()[:2]]
+    mix = {"prose": 1, "code": 1, "technical": 1, "chat": 1}
     windows, record = calibration_set.mixed_windows(
-        tokenizer, conversations=conversations, windows=8, window_tokens=32)
+        tokenizer, conversations=conversations, windows=8, window_tokens=32, mix=mix)
     assert record["calibration"] == "builtin:prose=2,code=2,technical=2,chat=2"
     streams = {d: list(tokenizer.encode("\n\n".join(calibration_set.data_text(n) for n in s),
                                         add_special_tokens=False))
@@ -98,7 +99,7 @@ def test_builtin_calibration_mixes_every_domain_interleaved(tiny):
     order = ["prose", "code", "technical", "chat"] * 2  # interleaved: every batch sees each
     assert [next(d for d, s in streams.items() if _is_piece(w, s)) for w in windows] == order
     # without a model there is nothing to answer with: the chat share goes to the others
-    plain, record = calibration_set.mixed_windows(tokenizer, windows=6, window_tokens=32)
+    plain, record = calibration_set.mixed_windows(tokenizer, windows=6, window_tokens=32, mix=mix)
     assert record["calibration"] == "builtin:prose=2,code=2,technical=2" and len(plain) == 6
 
 

@@ -576,7 +576,7 @@ def test_threadgroup_memory_over_32_kb_is_caught():
 
 
 @needs_gxx
-def test_threads_over_the_threadgroup_limit_are_caught(monkeypatch):
+def test_threads_over_the_threadgroup_limit_are_caught():
     layer, _ = make_layer(8, 64, 4, 32)
     x, _ = make_input((1, 64), mx.float16)
     with emulated() as emu:
@@ -584,6 +584,8 @@ def test_threads_over_the_threadgroup_limit_are_caught(monkeypatch):
         def oversized(name, **kwargs):
             return emu(name, **{**kwargs, "threadgroup": (32, 64, 1)})
 
-        monkeypatch.setattr(kernels, "_launch", oversized)
+        # (not monkeypatch: its undo would put the emulator back after the block restored the
+        # real launcher, and every later test would run emulated)
+        kernels._launch = oversized
         with pytest.raises(EmulationError, match="2048 threads exceeds the limit of 1024"):
             mx.eval(kernels.metal_matmul(x, *layer, bits=4, group_size=32))

@@ -24,7 +24,9 @@ def device(monkeypatch):
     monkeypatch.setattr(wired, "maybe_set_recommended_wired_limit", lambda: set_limit(RECOMMENDED))
     monkeypatch.setattr(wired.mx, "set_wired_limit", set_limit)
     monkeypatch.setattr(wired.mx, "synchronize", lambda *_: None)
-    assert wired.holders() == 0
+    # Engines other tests of this process left open hold it too: this test counts its own.
+    monkeypatch.setattr(wired, "_holders", 0)
+    monkeypatch.setattr(wired, "_before", None)
     return state
 
 

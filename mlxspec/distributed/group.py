@@ -1,0 +1,122 @@
+"""The process group ``mlx.launch`` set up, and a watchdog for peers that stop answering."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from mlxspec.errors import MlxspecError
+
+# Seconds a rank waits for one forward pass (prefill chunk or decode step) before it gives up on
+# its peers: the ring backend blocks forever on a peer that died without closing its socket.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MLXSPEC_SHARD_TIMEOUT", "60"))
+
+
+class DistributedError(MlxspecError):
+    """The process group cannot be set up, or a peer failed."""
+
+
+def init_group() -> mx.distributed.Group:
+    """The group of the ranks ``mlx.launch`` started (backend as it chose: ring, jaccl, mpi).
+
+    Raises:
+        DistributedError: this process was not started by a launcher (a group of one).
+    """
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise DistributedError(
+            "--shard needs at least two processes: run it under "
+            "`mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor ...`"
+        )
+    return group
+
+
+def is_primary() -> bool:
+    """True on rank 0 (or without a group): the rank that prints and serves."""
+    return mx.distributed.init().rank() == 0
+
+
+def group_report(group: mx.distributed.Group | None = None) -> dict[str, Any]:
+    """The group as ``doctor`` and ``--json`` report it: backend, world size, this rank."""
+    group = group or mx.distributed.init()
+    backend = "ring" if os.environ.get("MLX_HOSTFILE") else (
+        "jaccl" if os.environ.get("MLX_IBV_DEVICES") else (
+            "mpi" if os.environ.get("OMPI_COMM_WORLD_SIZE") else "none"))
+    return {"backend": backend if group.size() > 1 else "none", "world_size": group.size(),
+            "rank": group.rank()}
+
+
+def silence_followers() -> None:
+    """Send the output of ranks other than 0 to /dev/null: rank 0 alone prints."""
+    if not is_primary():
+        devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        sys.stdout = devnull
+        if not os.environ.get("MLXSPEC_SHARD_VERBOSE"):  # followers keep stderr to debug
+            sys.stderr = devnull
+
+
+class Watchdog:
+    """Ends the process with one ``error:`` line (rank 0) and exit status 2 when no forward pass
+    has started for ``timeout_s`` seconds: a peer died or hangs, and a collective would block.
+
+    ``beat()`` is called at each forward pass; use as a context manager around generation.
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.timeout_s / 4)):
+            if time.monotonic() - self._last > self.timeout_s:
+                if is_primary():
+                    sys.__stderr__.write(
+                        f"error: a rank of the group stopped answering for {self.timeout_s:.0f} s "
+                        "(it failed or its host went away); check the other ranks' hosts and "
+                        "rerun (MLXSPEC_SHARD_TIMEOUT sets the wait)\n")
+                    sys.__stderr__.flush()
+                os._exit(2)
+
+    def __enter__(self) -> Watchdog:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+
+def barrier(group: mx.distributed.Group | None = None) -> None:
+    """Wait for every rank: a rank that exits while a peer still has a collective in flight
+    (the decode loop evaluates one step ahead) would cut that peer's connection."""
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group or mx.distributed.init()))
+
+
+@contextlib.contextmanager
+def sharded_run(mode: str | None) -> Iterator[None]:
+    """Around a command run with ``--shard mode`` (nothing without): a lost peer becomes one
+    :class:`DistributedError`, and on success every rank waits for the others before exiting."""
+    if mode is None:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as e:
+        if "[ring]" in str(e) or "distributed" in str(e).lower():
+            raise DistributedError(
+                f"a rank of the group failed or went away ({str(e).strip()}); check the other "
+                "ranks' output and hosts and rerun") from e
+        raise
+    barrier()

@@ -1,0 +1,155 @@
+"""Shard a loaded model over the group: tensor parallel (the models' own ``shard()``, MLX's
+sharded and quantized sharded linear layers) or pipeline parallel (mlx-lm's ``PipelineMixin``,
+added here for the llama family, which mlx-lm does not pipeline).
+
+Tensor parallelism splits attention heads and the MLP's hidden width across ranks; a model whose
+heads do not divide by the world size (SmolLM2-135M: 9 query and 3 KV heads) keeps attention
+whole on every rank and splits only the MLP (one all-reduce per layer instead of two).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
+from mlx_lm.models import llama
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.pipeline import PipelineMixin
+
+from mlxspec.distributed.group import DistributedError, Watchdog, init_group, silence_followers
+
+SHARD_MODES = ("tensor", "pipeline")
+
+
+def _heads_divide(model: nn.Module, n: int) -> bool:
+    args = model.args
+    kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    return args.num_attention_heads % n == 0 and kv % n == 0
+
+
+def _shard_mlp(model: nn.Module, group: mx.distributed.Group) -> None:
+    for layer in model.layers:
+        mlp = layer.mlp
+        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+
+
+def shard_tensor(model: nn.Module, group: mx.distributed.Group) -> str:
+    """Tensor-parallel ``model`` in place; returns the layout ("heads+mlp" or "mlp")."""
+    if _heads_divide(model, group.size()) and hasattr(model, "shard"):
+        model.shard(group)
+        return "heads+mlp"
+    if not all(hasattr(getattr(layer, "mlp", None), "gate_proj") for layer in model.layers):
+        raise DistributedError(
+            f"{model.model_type}: its heads do not divide by {group.size()} ranks and its MLP is "
+            "not a gated MLP: use --shard pipeline")
+    _shard_mlp(model, group)
+    return "mlp"
+
+
+class PipelineLlamaModel(PipelineMixin, llama.LlamaModel):
+    """``llama.LlamaModel`` whose ranks each run a slice of the layers (mlx-lm's ``PipelineMixin``
+    split: the last rank takes the first layers). Each stage ends in an all-sum to which only its
+    owner contributes (the others add zeros, so the sum is exact): every rank then holds the
+    stage's hidden state (batch, seq, hidden). Only all-sums, no send/recv: on the CPU ring the
+    send/recv form of mlx-lm's ``deepseek_v3`` hung now and then under the decode loop."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        rank, size = self.pipeline_rank, self.pipeline_size
+        cache = cache if cache is not None else [None] * len(self.pipeline_layers)
+        mask = create_attention_mask(h, cache[0])
+        for stage in reversed(range(size)):
+            if stage == rank:
+                for layer, c in zip(self.pipeline_layers, cache, strict=True):
+                    h = layer(h, mask, cache=c)
+            h = mx.distributed.all_sum(h if stage == rank else mx.zeros_like(h))
+        if cache[-1] is not None:
+            # Every rank evaluates every stage's all-sum whenever it evaluates its caches
+            # (prefill) or the logits: a collective one rank skipped would block the other.
+            cache[-1].keys = mx.depends(cache[-1].keys, h)
+        return self.norm(h)
+
+
+class PipelineLlama(llama.Model):
+    """``llama.Model`` over a :class:`PipelineLlamaModel`: its caches cover its own layers."""
+
+    @property
+    def layers(self) -> list:
+        return self.model.pipeline_layers
+
+
+def shard_pipeline(model: nn.Module, group: mx.distributed.Group) -> str:
+    """Pipeline-parallel ``model`` in place (mlx-lm's own ``pipeline()`` where the model has it,
+    else the llama family here); returns the layout, e.g. "layers 15-29 of 30"."""
+    inner = getattr(model, "model", None)
+    if inner is not None and not hasattr(inner, "pipeline"):
+        if not isinstance(model, llama.Model) or any(
+                getattr(layer, "use_sliding", False) for layer in inner.layers):
+            raise DistributedError(
+                f"{model.model_type}: no pipeline support in mlx-lm for this model: use "
+                "--shard tensor")
+        n = len(inner.layers)
+        inner.__class__, model.__class__ = PipelineLlamaModel, PipelineLlama
+        inner.pipeline_rank, inner.pipeline_size, inner.start_idx, inner.end_idx = 0, 1, 0, n
+    if inner is None or not hasattr(inner, "pipeline"):
+        raise DistributedError(f"{model.model_type}: cannot be pipelined: use --shard tensor")
+    total = len(inner.layers)
+    inner.pipeline(group)
+    for i in range(inner.start_idx):  # free the weights of the layers other ranks run
+        inner.layers[i] = None
+    return f"layers {inner.start_idx}-{inner.end_idx - 1} of {total}"
+
+
+class _Beating:
+    """Mixed into a sharded model's class: every forward pass tells the watchdog it started."""
+
+    watchdog: Watchdog
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        self.watchdog.beat()
+        return super().__call__(*args, **kwargs)
+
+
+def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> str:
+    """Shard ``model`` in place in ``mode`` ("tensor" or "pipeline"); returns its layout."""
+    if mode not in SHARD_MODES:
+        raise DistributedError(f"--shard {mode}: use one of {', '.join(SHARD_MODES)}")
+    if mode == "pipeline" and not os.environ.get("MLXSPEC_EXPERIMENTAL_PIPELINE"):
+        # The pipelined decode loop still hangs now and then on the CPU ring (docs/distributed.md).
+        raise DistributedError("--shard pipeline is not reliable yet: use --shard tensor")
+    layout = (shard_tensor if mode == "tensor" else shard_pipeline)(model, group)
+    mx.eval(model.parameters())
+    return layout
+
+
+def load_sharded(spec: Any, mode: str | None, **kwargs: Any) -> tuple[nn.Module, Any]:
+    """``mlxspec.load(spec)`` then, with ``mode``, shard it over the launcher's group.
+
+    Rank 0 loads first (a GGUF file is converted once into the shared cache), the others after a
+    barrier. Ranks other than 0 print nothing from here on; a watchdog ends every rank with exit
+    status 2 (rank 0: one ``error:`` line) when a forward pass does not start within the timeout.
+    """
+    from mlxspec.load import load
+
+    if mode is None:
+        return load(spec, **kwargs)
+    group = init_group()
+    silence_followers()
+    if group.rank() == 0:
+        model, tokenizer = load(spec, **kwargs)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # barrier: rank 0 has loaded
+    if group.rank() != 0:
+        model, tokenizer = load(spec, **kwargs)
+    layout = shard_model(model, mode, group)
+    model.shard_layout = f"{mode}: {layout}"  # a str: not a parameter of the module
+    watchdog = Watchdog()
+    model.__class__ = type(f"Beating{type(model).__name__}", (_Beating, type(model)),
+                           {"watchdog": watchdog})
+    watchdog.__enter__()
+    return model, tokenizer
