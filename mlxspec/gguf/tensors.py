@@ -53,8 +53,8 @@ IMPORTED = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q8_0: 8, Q.Q4_K: 4}  # block type
 
 def import_mode() -> str:
     """``"quantized"`` (GGUF blocks kept as MLX quantized weights) or ``"dense"`` (dequantized
-    to the conversion dtype), from ``MLXSPEC_GGUF_WEIGHTS`` or the device: quantized on Metal
-    and on a CPU with mlxspec's kernel, else dense (module docstring)."""
+    to the conversion dtype), from ``MLXSPEC_GGUF_WEIGHTS`` or the device: quantized on Metal,
+    dense on a CPU (``quantized`` opts in to mlxspec's packed kernel there; module docstring)."""
     value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
     if value not in ("auto", "dense", "quantized"):
         raise UnsupportedModelError(f"{MODE_ENV}={value!r}: choose auto, dense or quantized")
