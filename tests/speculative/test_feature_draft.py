@@ -16,11 +16,10 @@ from chi_square import chi_square_pvalue
 from llama_toys import tiny_llama
 from mlx_lm.sample_utils import make_logits_processors
 from speculative_helpers import plain_tokens, spec_tokens
-from test_sampling import numpy_reference
+from test_speculative_sampling import BIAS, PENALTY, PROMPT, SAMPLING, exact_joint
 
 from mlxspec.cache import make_cache
 from mlxspec.errors import CorruptModelError, TokenizerMismatchError, UnsupportedModelError
-from mlxspec.sampling import SamplingParams
 from mlxspec.speculative import SpecStats, speculative_generate_step
 from mlxspec.speculative.eagle3 import load_head
 from mlxspec.speculative.feature import FeatureDrafter, tapped_forward
@@ -193,30 +192,6 @@ def test_greedy_feature_draft_equals_plain_greedy_over_200_tokens(tmp_path, k):
 
 
 VOCAB = 8
-PROMPT = [1, 2, 1, 2]
-SAMPLING = SamplingParams(temp=0.6, top_k=5, top_p=0.95, min_p=0.05)
-BIAS = {3: 1.0, 5: -0.7}
-PENALTY = 2.5
-
-
-def exact_joint(model, n: int) -> dict[tuple[int, ...], float]:
-    """P(x1..xn) of plain sampling with the processors, float64 numpy."""
-    def next_dist(ids):
-        logits = np.array(model(mx.array([ids]))[0, -1], np.float64)
-        for token, bias in BIAS.items():
-            logits[token] += bias
-        seen = list(set(ids[-20:]))
-        logits[seen] = np.where(logits[seen] < 0, logits[seen] * PENALTY, logits[seen] / PENALTY)
-        logprobs = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-        return numpy_reference(logprobs, SAMPLING)
-
-    joint = {(): 1.0}
-    for _ in range(n):
-        joint = {seq + (x,): p * px for seq, p in joint.items()
-                 for x, px in enumerate(next_dist(PROMPT + list(seq))) if px > 0}
-    return joint
-
-
 def test_feature_draft_sampling_keeps_plain_samplings_joint_distribution(tmp_path):
     # The draft vocabulary leaves out tokens the target samples (4, 6): they have q = 0.
     target = tiny_llama(2, layers=LAYERS, vocab=VOCAB, scale=2.5, hidden=HIDDEN)
