@@ -61,7 +61,9 @@ from mlxspec.gguf.tokenizer import (
 from mlxspec.progress import progress_bar
 
 # Part of the cache key: bump when the converted output changes, so stale conversions are redone.
-CONVERTER_VERSION = 2  # 2: GGUF blocks kept quantized where the device prefers (gguf_quant)
+# 2: GGUF blocks kept quantized where the device prefers (gguf_quant); 3: float32 scales on the
+# embedding table and output head (gguf_quant.STREAM_ENDS)
+CONVERTER_VERSION = 3
 
 
 # -- architectures --------------------------------------------------------------------------------

@@ -49,6 +49,13 @@ from mlxspec.quant import zp_format
 MODE_ENV = "MLXSPEC_GGUF_WEIGHTS"  # "auto" (default), "dense" or "quantized"
 GROUP_SIZE = 32
 IMPORTED = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q8_0: 8, Q.Q4_K: 4}  # block type -> bits
+# MLX's quantized layers compute in their scales' dtype (``nn.QuantizedEmbedding`` returns rows in
+# it, ``QuantizedLinear`` promotes x to it): with the GGUF's float16 scales on the embedding table,
+# plain mlx-lm would run the whole residual stream in float16, where Gemma-3's activations lose
+# their precision (logits 15.7 off against a float64 reference with a spread of 5.8). llama.cpp
+# computes in float32, so the table (and an untied output head, whose logits would be float16)
+# keep float32 scales and biases: the same numbers, 2 more bytes per group of 32 on these two.
+STREAM_ENDS = ("model.embed_tokens", "lm_head")
 
 
 def import_mode() -> str:
@@ -114,7 +121,8 @@ def affine_arrays(qtype: Q, raw: np.ndarray, shape: tuple[int, int]) -> dict[str
 
     Returns:
         ``{"weight": uint32 (rows, columns * bits / 32), "scales": float16 (rows, columns / 32),
-        "biases": float16 (rows, columns / 32)}`` (float32 scales and biases for Q4_K) with
+        "biases": float16 (rows, columns / 32)}`` (float32 scales and biases for Q4_K; also for
+        the embedding table and output head once :func:`save_weights` writes them) with
         ``w = scales * q + biases`` per group.
     """
     rows, cols = shape
@@ -183,6 +191,8 @@ def save_weights(
             module = hf.rsplit(".", 1)[0]
             if tensor.qtype in IMPORTED and len(tensor.shape) == 2 and hf.endswith(".weight"):
                 for key, value in affine_arrays(tensor.qtype, tensor.raw, tensor.shape).items():
+                    if key != "weight" and module in STREAM_ENDS:
+                        value = value.astype(np.float32)  # exact; see STREAM_ENDS
                     arrays[f"{module}.{key}"] = mx.array(fix_weight(name, value, config))
                 if IMPORTED[tensor.qtype] != 4:
                     quantization[module] = {"group_size": GROUP_SIZE,

@@ -29,6 +29,7 @@ from tiny_models import write_tiny_gguf
 
 from mlxspec.errors import CorruptModelError, OutputExistsError, UnsupportedModelError
 from mlxspec.gguf import convert as mlxspec_gguf
+from mlxspec.gguf import tensors as gguf_quant
 from mlxspec.gguf.convert import convert_gguf, gguf_cache_key, unpermute_rope_rows
 from mlxspec.load import default_model_path
 
@@ -348,8 +349,11 @@ def write_tiny_llama(path: Path, arch: str = "llama", types: dict | None = None)
                            untied_output=True)
 
 
-def test_every_tensor_type_converts_to_reference_logits(tmp_path):
-    """F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F32 and an untied output matrix."""
+@pytest.mark.parametrize("mode", ["dense", "quantized"])
+def test_every_tensor_type_converts_to_reference_logits(tmp_path, monkeypatch, mode):
+    """F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F32 and an untied output matrix, dequantized or
+    kept as MLX quantized weights (loaded by plain mlx-lm: MLX's own quantized products)."""
+    monkeypatch.setenv(gguf_quant.MODE_ENV, mode)
     gguf_path = write_tiny_llama(tmp_path / "tiny.gguf")
     model, tokenizer = load(str(convert_gguf(gguf_path, tmp_path / "tiny", progress=False)))
     tokens = tokenizer.encode("hello there, hello!")
@@ -362,7 +366,8 @@ def test_every_tensor_type_converts_to_reference_logits(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_matrices_are_rounded_float32_ones(tmp_path, dtype):
+def test_half_precision_matrices_are_rounded_float32_ones(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv(gguf_quant.MODE_ENV, "dense")  # the dtype of dequantized matrices
     gguf_path = write_tiny_llama(tmp_path / "tiny.gguf")
     half = mx.load(
         str(convert_gguf(gguf_path, tmp_path / dtype, dtype=dtype) / "model.safetensors")
@@ -390,7 +395,8 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
         path.write_bytes(b"half a model")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mlxspec_gguf, "save_weights", fail_after_writing)
+    monkeypatch.setattr(mlxspec_gguf, "save_weights", fail_after_writing)  # both writers
+    monkeypatch.setattr(gguf_quant, "save_weights", fail_after_writing)
     out_dir = tmp_path / "models" / "tiny"
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(gguf_path, out_dir, progress=False)

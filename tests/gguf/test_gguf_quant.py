@@ -96,6 +96,10 @@ def test_quantized_smollm2_conversion_runs_close_to_the_dense_one(smollm2, tmp_p
     quantization = json.loads((out / "config.json").read_text())["quantization"]
     assert quantization["bits"] == 4 and quantization["group_size"] == 32
     assert quantization["model.embed_tokens"]["bits"] == 8 and quantization["dequantized"] == []
+    weights = mx.load(str(out / "model.safetensors"))
+    # float32 scales on the embedding table only: plain mlx-lm computes in the scales' dtype
+    assert weights["model.embed_tokens.scales"].dtype == mx.float32
+    assert weights["model.layers.0.mlp.up_proj.scales"].dtype == mx.float16
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert size < 1.1 * default_model_path().stat().st_size  # the GGUF's bytes, not float32's
     model, tokenizer = load(str(out))
