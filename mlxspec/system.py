@@ -45,6 +45,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         report["quantized_matmul"] = kernels.describe()
         report["zero_point_layers"] = layers.describe()
         report["gguf_weights"] = gguf_quant.describe()
+        report["gguf_dtype"] = _gguf_dtype()
     except Exception as e:  # noqa: BLE001  (reported, not raised: doctor diagnoses)
         report["quantized_matmul"] = f"unavailable ({e})"
     try:
@@ -57,7 +58,81 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         from mlxspec.quant.kernel_check import check_on_device
 
         report["kernel_check"] = check_on_device()
+        # finding 6: the default model in the dtype a GGUF import gets on Metal, against float32
+        try:
+            report["default_model_dtype"] = model_dtype_check()
+        except Exception as e:  # noqa: BLE001  (reported, not raised)
+            report["default_model_dtype"] = {"ok": False, "error": str(e).strip().splitlines()[0]}
     return report
+
+
+DTYPE_CHECK_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def model_dtype_check(model=None, tokenizer=None, tokens: int = 16) -> dict:
+    """The default model in the dtype a GGUF import gets on Metal
+    (:func:`mlxspec.gguf.convert.conversion_dtype`: float16) against the same weights in float32:
+    the activations' dtype, the prompt logits' error, greedy agreement over ``tokens`` tokens and
+    the decode step time of both (``mlxspec doctor --kernels``; what only a Mac can measure).
+
+    On a CPU the float32 conversion is cast to that dtype first: quality only, the times are not
+    a GPU's (the report says so). ``model``/``tokenizer``: default, the default model.
+    """
+    import mlx.core as mx
+
+    from mlxspec.gguf.convert import ARCHITECTURES
+    from mlxspec.load import load
+    from mlxspec.quant.kernel_timing import TOLERANCE, relative_error
+
+    if model is None:
+        model, tokenizer = load()
+    half = getattr(mx, ARCHITECTURES["llama"].metal_dtype)
+    model.set_dtype(half)  # a no-op for a Metal conversion (already half)
+    prompt = tokenizer.encode(DTYPE_CHECK_PROMPT)
+    got = _greedy_timed(model, prompt, tokens)
+    model.set_dtype(mx.float32)  # exact: the same numbers, computed in float32
+    want = _greedy_timed(model, prompt, tokens)
+    pairs = zip(got["tokens"], want["tokens"], strict=True)
+    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)
+    error = relative_error(got["logits"], want["logits"])
+    report = {
+        "activations": got["dtype"],
+        "prompt_logits_max_rel_error": error,
+        "greedy_tokens_equal_to_float32": f"{agree}/{tokens}",
+        "decode_ms_per_token": round(got["ms"], 2),
+        "float32_decode_ms_per_token": round(want["ms"], 2),
+        "speedup": round(want["ms"] / got["ms"], 2),
+        "ok": bool(got["dtype"] == str(half).split(".")[-1] and got["finite"] and agree >= 1
+                   and error <= TOLERANCE[half] * 5),  # a whole forward, not one product
+    }
+    if not mx.metal.is_available():
+        report["note"] = ("a CPU: the float32 conversion cast down, quality only; the times are "
+                          "not a GPU's")
+    return report
+
+
+def _greedy_timed(model, prompt: list[int], tokens: int) -> dict:
+    """Greedy decoding of ``tokens`` tokens: the tokens, the prompt's last logits, their dtype,
+    whether every logit was finite, and the median decode step in milliseconds."""
+    import time
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    first, finite, out, times = logits, True, [], []
+    for _ in range(tokens):
+        token = mx.argmax(logits)
+        finite = finite and bool(mx.isfinite(logits).all().item())
+        out.append(int(token.item()))
+        start = time.perf_counter()
+        logits = model(token.reshape(1, 1), cache=cache)[0, -1]
+        mx.eval(logits)
+        times.append(time.perf_counter() - start)
+    return {"tokens": out, "logits": first, "dtype": str(first.dtype).split(".")[-1],
+            "finite": finite, "ms": float(np.median(times)) * 1e3}
 
 
 def machine() -> dict[str, Any]:
@@ -108,6 +183,22 @@ def write_report(report: dict[str, Any], path: str | Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _gguf_dtype() -> str:
+    """One line: the dtype GGUF imports are converted to here, per architecture."""
+    from mlxspec.gguf.convert import ARCHITECTURES, DTYPE_ENV, conversion_dtype
+
+    chosen = ", ".join(f"{name} {conversion_dtype(name)}" for name in ARCHITECTURES)
+    why = (f"{DTYPE_ENV}" if os.environ.get(DTYPE_ENV) else "Metal: half activations where "
+           "the GGUF's float16 scales allow" if _metal() else "a CPU: float32 BLAS")
+    return f"{chosen} ({why}; doctor --kernels compares float16 with float32)"
+
+
+def _metal() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.metal.is_available())
 
 
 def _sysctl(name: str) -> str:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from mlxspec.errors import (
@@ -222,12 +223,43 @@ class Architecture:
     config: Callable[[dict, GGUFFile], dict]
     layer_names: dict[str, str]
     fix_weight: Callable[[str, np.ndarray, dict], np.ndarray]  # (gguf name, weight, config)
+    metal_dtype: str = "float32"  # the conversion dtype on Metal (conversion_dtype)
 
 
 ARCHITECTURES = {
-    "llama": Architecture(_llama_config, _LLAMA_LAYER_NAMES, _llama_weight),
+    "llama": Architecture(_llama_config, _LLAMA_LAYER_NAMES, _llama_weight, "float16"),
     "gemma3": Architecture(_gemma3_config, _GEMMA3_LAYER_NAMES, _gemma3_weight),
 }
+DTYPE_ENV = "MLXSPEC_GGUF_DTYPE"  # overrides conversion_dtype: float32, float16 or bfloat16
+
+
+def conversion_dtype(arch_name: str = "llama") -> str:
+    """The dtype a GGUF import of ``arch_name`` is converted to on this device (matrices and
+    norms alike: MLX computes in the widest dtype an op meets, so one float32 norm would put the
+    whole residual stream back in float32). ``MLXSPEC_GGUF_DTYPE`` overrides it.
+
+    - A CPU: float32 (MLX's CPU products are float32 BLAS; half types only cost conversions).
+    - Metal, llama family (the default model): float16. The imported blocks' scales are the
+      GGUF's own float16 numbers, and ``mx.quantized_matmul`` computes in the common type of x and
+      the scales: float16 activations keep them exact and every product in float16 (half the
+      KV-cache bytes of float32, the GPU's fast path), while bfloat16 activations would promote
+      each product to float32 or need the scales rounded to bfloat16's 8-bit mantissa. Measured
+      on this repository's CPU (quality only): SmolLM2-135M in float16 and in bfloat16 gives the
+      same 48 greedy tokens as float32. ``mlxspec doctor --kernels`` checks it on the Mac (the
+      activations' dtype, greedy agreement with float32, and the decode step time of both).
+    - Metal, gemma3: float32. Gemma's residual stream loses its precision in float16 (measured
+      on Gemma-3-270M: logits 15.7 off a float64 reference), and bfloat16 meets the float16
+      scales as above.
+    """
+    value = os.environ.get(DTYPE_ENV, "").strip().lower()
+    if value:
+        if value not in _SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(
+                f"{DTYPE_ENV}={value!r}: choose float32, float16 or bfloat16")
+        return value
+    if not mx.metal.is_available() or arch_name not in ARCHITECTURES:
+        return "float32"
+    return ARCHITECTURES[arch_name].metal_dtype
 
 
 def save_weights(
@@ -235,12 +267,12 @@ def save_weights(
 ) -> None:
     """Dequantize, fix and write every tensor into one safetensors file under its HF name.
 
-    Tensors are streamed one at a time (peak memory: one tensor), matrices cast to ``dtype`` and
-    vectors (norms, biases) kept float32.
+    Tensors are streamed one at a time (peak memory: one tensor), every one cast to ``dtype``
+    (norms too: a float32 norm would promote half activations back to float32).
     """
     plan, offset = {}, 0  # HF name -> (GGUF tensor, safetensors dtype, byte range)
     for name, tensor in gguf.tensors.items():
-        kind = _SAFETENSORS_DTYPES[dtype if len(tensor.shape) > 1 else "float32"]
+        kind = _SAFETENSORS_DTYPES[dtype]
         size = int(np.prod(tensor.shape)) * (4 if kind == "F32" else 2)
         plan[_hf_name(name, arch.layer_names)] = (tensor, kind, (offset, offset + size))
         offset += size
@@ -281,12 +313,14 @@ def gguf_cache_key(gguf_path: str | Path) -> str:
     path = Path(gguf_path).resolve()
     stat = path.stat()
     mode = gguf_quant.import_mode()  # dense and quantized conversions are different directories
-    fingerprint = f"{CONVERTER_VERSION}:{mode}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    # so are the dtypes of a CPU's and Metal's conversions (conversion_dtype)
+    dtype = os.environ.get(DTYPE_ENV, "") or ("metal" if mx.metal.is_available() else "")
+    fingerprint = f"{CONVERTER_VERSION}:{mode}:{dtype}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     return f"{path.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
 
 
 def convert_gguf(
-    gguf_path: str | Path, out_dir: Path, dtype: str = "float32", progress: bool = True
+    gguf_path: str | Path, out_dir: Path, dtype: str | None = None, progress: bool = True
 ) -> Path:
     """Convert a GGUF file into an MLX model directory that ``mlx_lm.utils.load`` opens.
 
@@ -297,8 +331,8 @@ def convert_gguf(
             OutputExistsError untouched. The output is written into a work directory beside it,
             checked to load, and renamed into place, so an interrupted or failed conversion leaves
             nothing at ``out_dir``.
-        dtype: dtype of the dequantized matrices ("float32", "float16" or "bfloat16"); norms stay
-            float32.
+        dtype: dtype of the floating-point weights ("float32", "float16" or "bfloat16"); None:
+            :func:`conversion_dtype` for the file's architecture on this device.
         progress: show a progress bar while dequantizing.
 
     Returns:
@@ -311,7 +345,7 @@ def convert_gguf(
         OutputExistsError: ``out_dir`` holds something mlxspec did not create.
         NotWritableError: ``out_dir``'s parent is read-only or full.
     """
-    if dtype not in _SAFETENSORS_DTYPES:
+    if dtype is not None and dtype not in _SAFETENSORS_DTYPES:
         raise UnsupportedModelError(
             f"dtype {dtype!r} is not supported (float32, float16, bfloat16)"
         )
@@ -328,6 +362,7 @@ def convert_gguf(
             f"GGUF architecture {arch_name!r} is not supported ({', '.join(ARCHITECTURES)})"
         )
     arch = ARCHITECTURES[arch_name]
+    dtype = dtype or conversion_dtype(arch_name)
     try:
         config = arch.config(meta, gguf)
     except KeyError as e:

@@ -191,7 +191,7 @@ def save_weights(
             module = hf.rsplit(".", 1)[0]
             if tensor.qtype in IMPORTED and len(tensor.shape) == 2 and hf.endswith(".weight"):
                 for key, value in affine_arrays(tensor.qtype, tensor.raw, tensor.shape).items():
-                    if key != "weight" and module in STREAM_ENDS:
+                    if key != "weight" and module in STREAM_ENDS and float_dtype == mx.float32:
                         value = value.astype(np.float32)  # exact; see STREAM_ENDS
                     arrays[f"{module}.{key}"] = mx.array(fix_weight(name, value, config))
                 if IMPORTED[tensor.qtype] != 4:
@@ -201,7 +201,7 @@ def save_weights(
                 if tensor.qtype not in (Q.F32, Q.F16, Q.BF16):
                     dequantized.add(tensor.qtype.name)
                 w = mx.array(fix_weight(name, tensor.dequantize(), config))
-                arrays[hf] = w.astype(float_dtype if w.ndim > 1 else mx.float32)
+                arrays[hf] = w.astype(float_dtype)  # norms too: float32 ones promote activations
             advance()
     mx.save_safetensors(str(path), arrays, metadata={"format": "mlx"})
     return {**quantization, "format": "mlx", "source": "gguf",

@@ -376,10 +376,11 @@ def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
         return None
     out_features, in_features = layer.weight.shape[0], layer.weight.shape[1] * 32 // bits
     if isinstance(layer, nn.QuantizedEmbedding):
-        # Rows in the scales' dtype where they are exact in it, else float32 (e.g. GGUF Q8_0).
-        exact = zp_format.scales_are_exact(layer.scales, bits)
+        # Rows in the scales' dtype, as MLX's QuantizedEmbedding returns them: the model's
+        # activation dtype (float16 for a GGUF import on Metal, gguf.convert.conversion_dtype;
+        # a float32 import keeps float32 scales on its table, gguf.tensors.STREAM_ENDS).
         new = ZeroPointEmbedding(out_features, in_features, bits=bits, group_size=group_size,
-                                 dtype=layer.scales.dtype if exact else mx.float32)
+                                 dtype=layer.scales.dtype)
     else:
         new = ZeroPointLinear(in_features, out_features, "bias" in layer, bits=bits,
                               group_size=group_size)
