@@ -294,6 +294,11 @@ class PromptLookupDrafter(Drafter):
         self.indexed = max(len(context) - 1, self.indexed)
 
     def propose(self, k, sampling, logits_processor=None, keys=None) -> Draft:
+        return _draft_of(self.match(k)[1])
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """``(n, tokens)``: the longest n-gram ending the context that occurred before, and the
+        ``k`` tokens that followed it (``(0, [])`` when none did)."""
         self._index()
         context, size = self.context, len(self.context)
         for n in range(min(self.ngram_max, size), self.ngram_min - 1, -1):
@@ -302,8 +307,8 @@ class PromptLookupDrafter(Drafter):
                 tokens = context[end : end + k]
                 while len(tokens) < k:  # the match runs into the end: the pattern repeats
                     tokens.append(tokens[len(tokens) - (size - end)])
-                return _draft_of(tokens)
-        return _draft_of([])
+                return n, tokens
+        return 0, []
 
 
 def _forward_seconds(model: nn.Module, tokens: int) -> float:

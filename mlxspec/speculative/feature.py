@@ -33,8 +33,9 @@ from mlxspec.speculative.eagle3 import Eagle3Head
 
 # Architectures whose mlx-lm forward is embed -> layers(h, mask, cache) -> norm -> head, with one
 # causal mask (no sliding windows, no embedding scale): FeatureTarget runs exactly that.
-LAYERED = ("llama", "qwen2", "qwen3", "mistral")
+LAYERED = ("llama", "qwen2", "qwen3", "mistral", "mimo")
 CHUNK = 512  # context positions per head forward while catching up
+BACKFILL_MAX = 4096  # the longest cached context whose features are computed again (one-off)
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -186,18 +187,35 @@ class FeatureDrafter(Drafter):
         held, self.context = self.context, list(context)
         if cache_offset(self.cache) != self.cached + self.pending:  # interrupted: start over
             self.reset_cache()
-            self.target.truncate(0)
-            return
-        # Entry p needs tokens 0 .. p + 1: those shared with the new context stay, but for the
-        # last one, recomputed so that drafting starts from its output.
-        keep = min(common_prefix_len(held, self.context) - 1, self.cached, len(self.context) - 2)
-        keep = max(keep, 0)
-        trim_cache(self.cache, cache_offset(self.cache) - keep)
-        self.cached, self.pending = keep, 0
+            keep = 0
+        else:
+            # Entry p needs tokens 0 .. p + 1: those shared with the new context stay, but for
+            # the last one, recomputed so that drafting starts from its output.
+            keep = min(common_prefix_len(held, self.context) - 1, self.cached,
+                       len(self.context) - 2)
+            keep = max(keep, 0)
+            trim_cache(self.cache, cache_offset(self.cache) - keep)
+            self.cached, self.pending = keep, 0
         # Features past the shared prefix belong to the old context (or to another stream whose
-        # positions the target's cache reused): the target's passes record the new ones; any
-        # position it does not run again reads zeros (poorer drafts, never a wrong token).
+        # positions the target's cache reused): the target's passes record the new ones.
         self.target.truncate(keep + 1)
+        self._backfill(keep)
+
+    def _backfill(self, keep: int) -> None:
+        """Features of the positions the target's cache already holds (``prefix``: a chat's
+        earlier turns, a server's stream leaving the batch) that no pass of ours recorded: one
+        target forward over them without the cache (the cache is left untouched, so the
+        verification is unchanged). Beyond BACKFILL_MAX positions they read zeros instead
+        (poorer drafts, never a wrong token)."""
+        end = len(self.prefix)
+        target = self.target
+        have = 0 if target.features is None else target.features.shape[0]
+        if (end <= keep or end > BACKFILL_MAX or self.context[:end] != self.prefix
+                or target.start <= keep and target.start + have >= end):
+            return
+        inputs = mx.array(self.context[:end], mx.uint32)[None]
+        _, features = tapped_forward(target.model, inputs, None, target.taps)
+        target.record(keep, features[0, keep:])
 
     def extend(self, tokens: Sequence[int]) -> None:
         trim_cache(self.cache, self.pending)  # the chain's entries: replaced by the target's
@@ -213,7 +231,7 @@ class FeatureDrafter(Drafter):
             hi = min(lo + CHUNK, end)
             features = self.target.take(lo, hi, self.width)[None]
             tokens = mx.array(self.context[lo + 1 : hi + 1], mx.uint32)[None]
-            out = self.head.step(tokens, features.astype(self.head.fc.weight.dtype), self.cache,
+            out = self.head.step(tokens, features.astype(self.head.dtype), self.cache,
                                  features=True)
         self.cached = end
         self.target.drop_before(end - 1)  # the last entry may be recomputed (``begin``)
@@ -260,7 +278,7 @@ class FeatureDrafter(Drafter):
     def _measure(self) -> tuple[float, float]:
         """Seconds of one chained step and of one caught-up position (planner priors)."""
         head, cache = self.head, [KVCache()]
-        features = mx.zeros((1, CATCH_UP_IN_STEP, self.width), head.fc.weight.dtype)
+        features = mx.zeros((1, CATCH_UP_IN_STEP, self.width), head.dtype)
         tokens = mx.zeros((1, CATCH_UP_IN_STEP), mx.uint32)
         mx.eval(head.step(tokens, features, cache, features=True))  # warm-up
         tic = time.perf_counter()

@@ -16,9 +16,10 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxspec.errors import MlxspecError, UnsupportedModelError
+from mlxspec.errors import MlxspecError
 from mlxspec.speculative.eagle3 import CONFIG, load_head, target_shape
 from mlxspec.speculative.feature import FeatureDrafter
+from mlxspec.speculative.mtp import mtp_head
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ def shipped_head_for(model: nn.Module, tokenizer: Any) -> Path | None:
 def make_feature_drafter(spec: str | Path, model: nn.Module, tokenizer: Any) -> FeatureDrafter | None:
     """A feature drafter for ``model``: ``spec`` is ``"auto"`` (the shipped head for this
     target, or None when there is none or it cannot run on this architecture) or a head's
-    directory / Hub id. ``"mtp"`` (a checkpoint's own multi-token-prediction layers) is refused:
-    not implemented yet.
+    directory / Hub id, or ``"mtp"``: the checkpoint's own multi-token-prediction layers
+    (``mlxspec.speculative.mtp``; UnsupportedModelError when the model has none).
 
     Raises:
         MlxspecError subclasses (one line each) for a head that does not fit the target.
@@ -72,8 +73,6 @@ def make_feature_drafter(spec: str | Path, model: nn.Module, tokenizer: Any) -> 
             return FeatureDrafter(load_head(path, model, tokenizer), model, vocab_size=vocab)
         except MlxspecError:
             return None
-    if spec == "mtp":
-        raise UnsupportedModelError(
-            "drafting with a checkpoint's own MTP layers is not implemented yet (mlx-lm drops "
-            "them at load): use --draft auto, a head directory, or --prompt-lookup")
+    if spec == "mtp":  # the checkpoint's own MTP layers, kept at load (mlxspec.speculative.mtp)
+        return FeatureDrafter(mtp_head(model), model, vocab_size=vocab)
     return FeatureDrafter(load_head(spec, model, tokenizer), model, vocab_size=vocab)

@@ -15,7 +15,7 @@ import pytest
 from chi_square import chi_square_pvalue
 from llama_toys import tiny_llama
 from mlx_lm.sample_utils import make_logits_processors
-from speculative_helpers import plain_tokens, spec_tokens
+from speculative_helpers import plain_tokens, record_proposals, spec_tokens
 from test_speculative_sampling import BIAS, PENALTY, PROMPT, SAMPLING, exact_joint
 
 from mlxspec.cache import make_cache
@@ -191,6 +191,27 @@ def test_greedy_feature_draft_equals_plain_greedy_over_200_tokens(tmp_path, k):
     assert spec_tokens(model, drafter, prompt + [3], 50, k=2) == plain_tokens(model, prompt + [3], 50)
 
 
+def test_a_cached_prefix_gets_its_features_computed_again_and_decoding_stays_exact(tmp_path):
+    """A chat's earlier turn or a server's stream leaving the batch: the target's cache holds
+    positions no verifying pass of the drafter saw. Their features are the target's own (one
+    forward), not zeros, and the output is still plain greedy's."""
+    vocab = 64
+    model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
+    drafter = _drafter(tmp_path, model, vocab, list(range(0, vocab, 2)))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(1, vocab, 30)]
+    drafter.prefix = prompt[:20]
+    drafter.begin(prompt)
+    want = tapped_forward(model, mx.array(prompt[:20])[None], None, TAPS)[1][0]
+    got = drafter.target.take(0, 20, drafter.width)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    drafter.reset()
+    cache = make_cache(model)
+    mx.eval(model(mx.array(prompt[:20])[None], cache=cache))  # cached without the drafter
+    drafter.prefix = prompt[:20]
+    assert spec_tokens(model, drafter, prompt[20:], 60, k=3, cache=cache) == \
+        plain_tokens(model, prompt, 60)
+
+
 VOCAB = 8
 def test_feature_draft_sampling_keeps_plain_samplings_joint_distribution(tmp_path):
     # The draft vocabulary leaves out tokens the target samples (4, 6): they have q = 0.
@@ -216,3 +237,22 @@ def test_feature_draft_sampling_keeps_plain_samplings_joint_distribution(tmp_pat
     expected = [exact[c] * runs for c in frequent] + [sum(exact[c] for c in rare) * runs]
     assert chi_square_pvalue(np.array(observed), np.array(expected)) > 1e-4
     assert any(4 in c or 6 in c for c in counts)  # tokens the draft cannot propose still come
+
+
+def test_feature_draft_with_prompt_lookup_stays_exact_and_uses_both(tmp_path):
+    """The combined drafter: lookup's run where the context repeats, the head's elsewhere;
+    greedy output token for token plain greedy's."""
+    from mlxspec.speculative.combined import CombinedDrafter
+    from mlxspec.speculative.drafters import PromptLookupDrafter
+
+    vocab = 64
+    model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
+    feature = _drafter(tmp_path, model, vocab, list(range(0, vocab, 2)))
+    drafter = CombinedDrafter(feature, PromptLookupDrafter(ngram_max=3))
+    proposed = record_proposals(feature)
+    prompt = [5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9]
+    stats = SpecStats()
+    assert spec_tokens(model, drafter, prompt, 120, k=3, stats=stats) == \
+        plain_tokens(model, prompt, 120)
+    assert drafter.from_lookup > 0 and proposed  # both drafted
+    assert stats.target_passes < 120
