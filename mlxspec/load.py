@@ -322,6 +322,10 @@ def load(
             ) from e
         raise
     check_vocabulary(nn_model, tokenizer, config, model_dir)
+    if config.get("num_nextn_predict_layers"):  # MTP layers mlx-lm drops: kept for --draft mtp
+        from mlxspec.speculative.mtp import attach_mtp
+
+        attach_mtp(nn_model, model_dir, config)
     cpu.prepare(nn_model, lazy=lazy)  # Linux CPU backend: fused ops, attention, huge pages
     return nn_model, tokenizer
 
