@@ -19,6 +19,14 @@
  * low nibbles of a chunk are its even weights and the high ones its odd weights, so x is copied
  * once per call into the same order (chunks of 2 * LANES: even elements, then odd ones).
  *
+ * int8 activations (AVX512-VNNI only, opt-out with MLXSPEC_CPU_QMM_ACTIVATIONS=float32): llama.cpp's
+ * trick. Each block of 32 elements of a row of x is rounded to int8, x ~ dx * xq with
+ * dx = max|x| / 127, and W's integers are multiplied into xq by vpdpbusd (64 byte products per
+ * instruction): sum_k w_k x_k = sum_groups (s * dx * sum q xq) + b * sum x, the last sum over the
+ * float x. Each output's operations still depend only on its rows of x and W. The rounding of x
+ * costs accuracy (measured in docs/linux-cpu.md); products of more than MAX_KERNEL_ROWS rows stay
+ * float32 (sgemm).
+ *
  * Threads: output rows in chunks on the BLAS shim's pool (mlxspec_blas_parallel_for), each chunk
  * computed whole by one thread. Larger M (prefill) dequantizes W a tile of rows at a time (the
  * kernel's own w, in x's chunk order, on the pool's threads) and multiplies each tile with
@@ -28,6 +36,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -53,6 +62,7 @@ namespace {
 constexpr int MAX_KERNEL_ROWS = 24;  // larger products: dequantized tiles through sgemm
 constexpr int TILE_ROWS = 256;       // rows of W per dequantized tile (sgemm path)
 constexpr double PARALLEL_MIN_WORK = 1 << 16;  // multiply-adds below which one thread computes
+constexpr double TASK_BYTES = 1 << 16;         // bytes of W per thread task at least
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int LANES = 16;
@@ -126,6 +136,11 @@ struct Job {
   const float *xp;  // (M, K) x in chunk order (see the header)
   float *out;       // (M, N)
   int rows_per_task;
+  // int8 activations (VNNI): per row of x, `blocks` blocks of 64 bytes of W; see prepare_xq
+  const int8_t *xq;  // (M, blocks * 64 * 8 / bits) int8
+  const float *dxv;  // (M, blocks * 16): each lane's dx
+  const float *xs;   // (M, groups): the float sum of x over each group of W
+  int blocks;
 };
 
 /* The CHUNK integers at `p` as two float vectors whose elements match xp's order. */
@@ -192,8 +207,26 @@ void tile(const Job &j, int m0, int n0, const float *sb) {
     for (int c = 0; c < C; ++c) j.out[(size_t)(m0 + r) * j.N + n0 + c] = vsum(acc[r][c]);
 }
 
+/* Decode streams W from memory once per token, a few hundred bytes per row: the hardware
+ * prefetchers barely start within a task's rows. So each block of rows asks for the rows
+ * PREFETCH_ROWS ahead (and their scales and biases) while it computes. */
+constexpr int PREFETCH_ROWS = 16;
+inline void prefetch_rows(const Job &j, int n, int rows) {
+  if (n >= j.N) return;
+  const int count = std::min(rows, j.N - n);
+  const char *w = reinterpret_cast<const char *>(j.w) + (size_t)n * j.row_bytes;
+  for (size_t at = 0; at < count * j.row_bytes; at += 64) _mm_prefetch(w + at, _MM_HINT_T0);
+  const size_t sbytes = (j.scale_type == F32 ? 4 : 2) * (size_t)j.groups;
+  const size_t bbytes = (j.bias_type == F32 ? 4 : 2) * (size_t)j.groups;
+  for (size_t at = 0; at < count * sbytes; at += 64)
+    _mm_prefetch(static_cast<const char *>(j.scales) + n * sbytes + at, _MM_HINT_T0);
+  for (size_t at = 0; at < count * bbytes; at += 64)
+    _mm_prefetch(static_cast<const char *>(j.biases) + n * bbytes + at, _MM_HINT_T0);
+}
+
 template <int BITS, int C>
 void row_block(const Job &j, int n0, float *sb) {
+  prefetch_rows(j, n0 + PREFETCH_ROWS, C);
   for (int c = 0; c < C; ++c) {
     row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
     row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
@@ -208,12 +241,21 @@ void row_block(const Job &j, int n0, float *sb) {
   }
 }
 
+/* A buffer of at least n floats owned by the calling thread (grown, never shrunk): no allocation
+ * per call or per task. `slot` tells the buffers of one thread apart. */
+float *scratch(size_t n, int slot) {
+  static thread_local std::vector<float> buffers[3];
+  auto &b = buffers[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
 template <int BITS>
 void rows(const Job &j, int n0, int n1) {
-  std::vector<float> sb((size_t)2 * NR * j.groups);
+  float *sb = scratch((size_t)2 * NR * j.groups, 0);
   int n = n0;
-  for (; n + NR <= n1; n += NR) row_block<BITS, NR>(j, n, sb.data());
-  for (; n < n1; ++n) row_block<BITS, 1>(j, n, sb.data());
+  for (; n + NR <= n1; n += NR) row_block<BITS, NR>(j, n, sb);
+  for (; n < n1; ++n) row_block<BITS, 1>(j, n, sb);
 }
 
 void task(void *context, int i) {
@@ -224,6 +266,151 @@ void task(void *context, int i) {
   else
     rows<8>(j, n0, n1);
 }
+
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool HAS_VNNI = true;
+
+/* Weights per 64-byte block of a row of W, and the group of W (relative to the block's first) of
+ * each of the 16 int32 lanes vpdpbusd sums 4 bytes into. */
+template <int BITS>
+constexpr int block_weights() { return 64 * 8 / BITS; }
+template <int BITS>
+inline __m512i lane_groups(int group) {
+  alignas(64) int idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = (BITS == 4 ? (l / 4) * 32 : 4 * l) / group;
+  return _mm512_load_si512(idx);
+}
+
+/* x (M, K) -> j.xq, j.dxv, j.xs (int8 activations; see the header). Blocks of 32 elements of x
+ * (subblocks) are rounded to int8 with their own dx. At 4 bits a block of W holds 4 subblocks,
+ * byte j the weights 2j and 2j + 1 of the block; xq puts the even elements (64 bytes) and then
+ * the odd ones (64 bytes) in that byte order, so one vpdpbusd takes the low nibbles, one the
+ * high. At 8 bits xq is x's own order. Padding past K is zero. */
+void prepare_xq(const float *x, int64_t rs, int64_t cs, Job &j, int8_t *xq, float *dxv,
+                float *xs) {
+  const int sub = j.K / 32, per_row = j.blocks * 64 * 8 / j.bits;
+  for (int m = 0; m < j.M; ++m) {
+    const float *row = x + m * rs;
+    int8_t *q = xq + (size_t)m * per_row;
+    float *d = dxv + (size_t)m * j.blocks * 16;
+    std::memset(q, 0, per_row);
+    std::memset(d, 0, sizeof(float) * j.blocks * 16);
+    for (int u = 0; u < sub; ++u) {
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(row[(u * 32 + i) * cs]));
+      const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const int lanes = j.bits == 4 ? 4 : 8;  // vpdpbusd lanes of a subblock
+      for (int l = 0; l < lanes; ++l) d[(u / (16 / lanes)) * 16 + (u % (16 / lanes)) * lanes + l] = dx;
+      for (int i = 0; i < 32; ++i) {
+        const int v = (int)std::nearbyint(row[(u * 32 + i) * cs] * inv);
+        int at;
+        if (j.bits == 4) {
+          const int b = u / 4, t = u % 4;
+          at = b * 128 + (i % 2) * 64 + t * 16 + i / 2;
+        } else {
+          at = u * 32 + i;
+        }
+        q[at] = (int8_t)v;
+      }
+    }
+    float *sums = xs + (size_t)m * j.groups;
+    for (int g = 0; g < j.groups; ++g) {
+      float t = 0.0f;
+      for (int i = 0; i < j.group; ++i) t += row[(g * j.group + i) * cs];
+      sums[g] = t;
+    }
+  }
+}
+
+/* Outputs (m0 .. m0 + R - 1, n0 .. n0 + C - 1) with int8 activations: per block of W and output,
+ * acc = fma(float(sum q xq), s * dx, acc) (lanes: 4 or 8 products of a subblock), then the lanes
+ * summed in vsum's order, then b . xs added group by group (16 at a time, in order). */
+template <int BITS, int R, int C>
+void tile_q8(const Job &j, int m0, int n0, const float *sb) {
+  constexpr int WB = block_weights<BITS>();
+  const __m512i idx = lane_groups<BITS>(j.group), nib = _mm512_set1_epi8(15);
+  const int per_row = j.blocks * WB;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int b = 0; b < j.blocks; ++b) {
+    const size_t at = (size_t)b * 64;
+    const size_t left = j.row_bytes - at;
+    const __mmask64 wmask = left >= 64 ? ~0ULL : ((1ULL << left) - 1);
+    const int g0 = b * WB / j.group, gl = std::min(16, j.groups - g0);
+    const __mmask16 gmask = (__mmask16)((1u << gl) - 1);
+    __m512 dx[R];
+    for (int r = 0; r < R; ++r) dx[r] = _mm512_loadu_ps(j.dxv + ((size_t)(m0 + r) * j.blocks + b) * 16);
+    for (int c = 0; c < C; ++c) {
+      const __m512i v = _mm512_maskz_loadu_epi8(wmask, j.w + (size_t)(n0 + c) * j.row_bytes + at);
+      const __m512 s = _mm512_permutexvar_ps(
+          idx, _mm512_maskz_loadu_ps(gmask, sb + (size_t)(2 * c) * j.groups + g0));
+      for (int r = 0; r < R; ++r) {
+        const int8_t *xr = j.xq + (size_t)(m0 + r) * per_row + (size_t)b * (BITS == 4 ? 128 : 64);
+        __m512i d;
+        if constexpr (BITS == 4) {
+          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, nib),
+                                  _mm512_loadu_si512(xr));
+          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                                  _mm512_loadu_si512(xr + 64));
+        } else {
+          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xr));
+        }
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, dx[r]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float *xs = j.xs + (size_t)(m0 + r) * j.groups, *bias = sb + (size_t)(2 * c + 1) * j.groups;
+      __m512 t = _mm512_setzero_ps();
+      for (int g = 0; g < j.groups; g += 16) {
+        const __mmask16 m = (__mmask16)((1u << std::min(16, j.groups - g)) - 1);
+        t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bias + g), _mm512_maskz_loadu_ps(m, xs + g), t);
+      }
+      j.out[(size_t)(m0 + r) * j.N + n0 + c] = vsum(acc[r][c]) + vsum(t);
+    }
+}
+
+constexpr int NR8 = 4, MR8 = 4;
+
+template <int BITS, int C>
+void row_block_q8(const Job &j, int n0, float *sb) {
+  prefetch_rows(j, n0 + PREFETCH_ROWS, C);
+  for (int c = 0; c < C; ++c) {
+    row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
+    row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
+  }
+  int m = 0;
+  for (; m + MR8 <= j.M; m += MR8) tile_q8<BITS, MR8, C>(j, m, n0, sb);
+  switch (j.M - m) {
+    case 1: tile_q8<BITS, 1, C>(j, m, n0, sb); break;
+    case 2: tile_q8<BITS, 2, C>(j, m, n0, sb); break;
+    case 3: tile_q8<BITS, 3, C>(j, m, n0, sb); break;
+    default: break;
+  }
+}
+
+void task_q8(void *context, int i) {
+  const Job &j = *static_cast<const Job *>(context);
+  const int n0 = i * j.rows_per_task, n1 = std::min(j.N, n0 + j.rows_per_task);
+  float *sb = scratch((size_t)2 * NR8 * j.groups, 0);
+  int n = n0;
+  if (j.bits == 4) {
+    for (; n + NR8 <= n1; n += NR8) row_block_q8<4, NR8>(j, n, sb);
+    for (; n < n1; ++n) row_block_q8<4, 1>(j, n, sb);
+  } else {
+    for (; n + NR8 <= n1; n += NR8) row_block_q8<8, NR8>(j, n, sb);
+    for (; n < n1; ++n) row_block_q8<8, 1>(j, n, sb);
+  }
+}
+#else
+constexpr bool HAS_VNNI = false;
+constexpr int NR8 = 4;
+void prepare_xq(const float *, int64_t, int64_t, Job &, int8_t *, float *, float *) {}
+void task_q8(void *, int) {}
+#endif
 
 using ParallelFor = void (*)(int, void (*)(void *, int), void *);
 ParallelFor parallel_for() {
@@ -249,7 +436,9 @@ void run_rows(Job &j, void (*fn)(void *, int), int align) {
   const double work = (double)j.M * j.N * j.K;
   ParallelFor pf = parallel_for();
   if (pf && work >= PARALLEL_MIN_WORK && j.N >= 8 * align) {
-    const int tasks = std::min(16, j.N / (4 * align));
+    // tasks of >= TASK_BYTES of W each (a contiguous stream the prefetchers can follow), <= 16
+    const int tasks = std::max(1, std::min(std::min(16, j.N / (4 * align)),
+                                           (int)((double)j.N * j.row_bytes / TASK_BYTES)));
     j.rows_per_task = ((j.N + tasks - 1) / tasks + align - 1) / align * align;
     pf((j.N + j.rows_per_task - 1) / j.rows_per_task, fn, &j);
   } else {
@@ -325,8 +514,8 @@ int scale_type(mx::Dtype t) {
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8)
+      : mx::UnaryPrimitive(stream), group_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
     const mx::array &x = inputs[0], &w = inputs[1], &s = inputs[2], &b = inputs[3];
@@ -342,10 +531,21 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     j.scales = s.data<void>(), j.biases = b.data<void>();
     j.scale_type = scale_type(s.dtype()), j.bias_type = scale_type(b.dtype());
     j.out = out.data<float>();
-    encoder.dispatch([j, xd = x.data<float>(), rs = x.strides(0), cs = x.strides(1)]() mutable {
-      std::vector<float> xp((size_t)j.M * j.K);
-      prepare_x(xd, rs, cs, j.M, j.K, j.bits, xp.data());
-      j.xp = xp.data();
+    const bool int8 = int8_ && HAS_VNNI && j.M <= MAX_KERNEL_ROWS;
+    encoder.dispatch([j, int8, xd = x.data<float>(), rs = x.strides(0), cs = x.strides(1)]() mutable {
+      if (int8) {
+        j.blocks = (int)((j.row_bytes + 63) / 64);
+        const size_t per_row = (size_t)j.blocks * 64 * 8 / j.bits;
+        auto *xq = reinterpret_cast<int8_t *>(scratch((size_t)j.M * per_row / 4 + 16, 1));
+        float *f = scratch((size_t)j.M * (j.blocks * 16 + j.groups), 2);
+        prepare_xq(xd, rs, cs, j, xq, f, f + (size_t)j.M * j.blocks * 16);
+        j.xq = xq, j.dxv = f, j.xs = f + (size_t)j.M * j.blocks * 16;
+        run_rows(j, task_q8, NR8);
+        return;
+      }
+      float *xp = scratch((size_t)j.M * j.K, 1);
+      prepare_x(xd, rs, cs, j.M, j.K, j.bits, xp);
+      j.xp = xp;
       if (j.M > MAX_KERNEL_ROWS)
         sgemm_product(j);
       else
@@ -361,17 +561,18 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive &other) const override {
     auto &o = static_cast<const QuantizedMatmul &>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
 
  private:
   int group_, bits_;
+  bool int8_;
 };
 
 /* x (..., K) float32, w (N, K * bits / 32) uint32, scales and biases (N, K / group_size) float32,
  * float16 or bfloat16; bits 4 or 8, group_size 32, 64 or 128. Returns (..., N) float32. */
 mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::array &scales,
-                           const mx::array &biases, int group_size, int bits) {
+                           const mx::array &biases, int group_size, int bits, bool int8) {
   if ((bits != 4 && bits != 8) || (group_size != 32 && group_size != 64 && group_size != 128))
     throw std::invalid_argument("[mlxspec quantized] bits 4 or 8, group size 32, 64 or 128");
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || x.ndim() < 1 || w.ndim() != 2 ||
@@ -388,7 +589,7 @@ mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::arr
   std::vector<mx::array> inputs = {x2, mx::contiguous(w, false, stream),
                                    mx::contiguous(scales, false, stream),
                                    mx::contiguous(biases, false, stream)};
-  mx::array y({M, N}, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+  mx::array y({M, N}, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits, int8),
               std::move(inputs));
   mx::Shape shape = x.shape();
   shape.back() = N;
@@ -399,7 +600,8 @@ mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::arr
 
 NB_MODULE(_mlxspec_cpu_quantized, m) {
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
+  m.attr("int8_activations") = HAS_VNNI;
   m.attr("isa") = ISA;
   m.attr("max_kernel_rows") = MAX_KERNEL_ROWS;
 }

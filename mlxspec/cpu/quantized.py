@@ -42,6 +42,7 @@ from mlxspec.switches import turned_off
 SOURCE = Path(__file__).with_name("_quantized.cpp")
 MODULE_NAME = "_mlxspec_cpu_quantized"  # NB_MODULE's name in SOURCE
 SWITCH = "MLXSPEC_CPU_QMM"
+ACTIVATIONS = "MLXSPEC_CPU_QMM_ACTIVATIONS"  # "float32" (default) or "int8" (VNNI CPUs)
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -55,7 +56,17 @@ def _extra_flags() -> tuple[str, ...]:
     flags = cpu_jit.cpuinfo().get("flags", "").split()
     if os.environ.get(SWITCH, "").strip().lower() == "avx2" or not all(f in flags for f in AVX512):
         return ()
-    return tuple(f"-m{f}" for f in AVX512)
+    vnni = ("-mavx512vnni",) if "avx512_vnni" in flags else ()
+    return (*(f"-m{f}" for f in AVX512), *vnni)
+
+
+def int8_activations() -> bool:
+    """Whether products of up to 24 rows round x to int8 per block of 32 and use VNNI dot
+    products, as llama.cpp does (``MLXSPEC_CPU_QMM_ACTIVATIONS=int8``, where the CPU has VNNI;
+    the default ``float32`` keeps x as it is): faster, less exact (``docs/linux-cpu.md``)."""
+    module = _state.get("module")
+    setting = os.environ.get(ACTIVATIONS, "float32").strip().lower() or "float32"
+    return module is not None and bool(module.int8_activations) and setting == "int8"
 
 
 def enable() -> bool:
@@ -94,9 +105,12 @@ def describe() -> str:
         return f"MLX's own quantized_matmul / float32 copies ({SWITCH}=0)"
     if enabled():
         module = _state["module"]
+        acts = ("int8 activations (VNNI)" if int8_activations() else
+                f"float32 activations ({ACTIVATIONS}=int8: VNNI, faster, less exact)"
+                if module.int8_activations else "float32 activations")
         return (f"packed 4/8-bit products ({SOURCE.name}, {module.isa}): up to "
-                f"{module.max_kernel_rows} rows in registers, more as dequantized tiles + sgemm; "
-                f"{SWITCH}=0 turns it off")
+                f"{module.max_kernel_rows} rows in registers with {acts}, more as dequantized "
+                f"tiles + sgemm; {SWITCH}=0 turns it off")
     if "why" in _state:
         return f"MLX's own quantized_matmul / float32 copies ({_state['why']})"
     return f"packed 4/8-bit products ({SOURCE.name}) once mlxspec.load builds them (g++, nanobind)"
@@ -123,7 +137,8 @@ def matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | N
             or not supported(weight, scales, biases, group_size, bits, mode)
             or x.shape[-1] != weight.shape[1] * 32 // bits):
         return None
-    y = module.quantized_matmul(x.astype(mx.float32), weight, scales, biases, group_size, bits)
+    y = module.quantized_matmul(x.astype(mx.float32), weight, scales, biases, group_size, bits,
+                                int8_activations())
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 
@@ -180,8 +195,8 @@ def reference(x: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases: np.
 
 
 def _check(module: ModuleType) -> None:
-    """The kernel (1 and 3 rows) and the tile path (30 rows) against :func:`reference`: within
-    float32 rounding, or it stays off."""
+    """The kernel (1 and 3 rows, both activation types) and the tile path (30 rows) against
+    :func:`reference`: within float32 rounding (and int8's rounding of x), or it stays off."""
     rng = np.random.default_rng(0)
     for bits, rows in ((4, 1), (8, 3), (4, 30)):
         w = mx.array(rng.integers(0, 2**32, size=(20, 64 * bits // 32), dtype=np.uint32))
@@ -189,9 +204,13 @@ def _check(module: ModuleType) -> None:
         b = mx.array(rng.uniform(-1, 1, size=(20, 2)).astype(np.float16))
         x = rng.standard_normal((rows, 64)).astype(np.float32)
         expected = reference(x, np.array(w), np.array(s), np.array(b), 32, bits)
-        try:
-            got = np.array(module.quantized_matmul(mx.array(x), w, s, b, 32, bits))
-        except (TypeError, RuntimeError, ValueError) as e:
-            raise ops._Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
-        if not np.allclose(got, expected, rtol=1e-4, atol=1e-3):
-            raise ops._Unavailable("its output differs from a float64 product here")
+        magnitude = reference(np.abs(x), np.array(w), np.array(s), np.abs(np.array(b)), 32, bits)
+        for int8 in (False, True) if module.int8_activations else (False,):
+            try:
+                got = np.array(module.quantized_matmul(mx.array(x), w, s, b, 32, bits, int8))
+            except (TypeError, RuntimeError, ValueError) as e:
+                raise ops._Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
+            # int8 activations: x moves by up to 1/254 of its block's largest element
+            slack = 1e-2 * magnitude if int8 and rows <= module.max_kernel_rows else 0.0
+            if not np.all(np.abs(got - expected) <= 1e-4 * np.abs(expected) + 1e-3 + slack):
+                raise ops._Unavailable("its output differs from a float64 product here")

@@ -46,21 +46,46 @@ def random_layer(rng, n: int, k: int, bits: int, group_size: int, dtype):
     return arrays, as_numpy
 
 
-def assert_close_to_float64(got: mx.array, x: np.ndarray, numpy_layer, group_size, bits):
+def assert_close_to_float64(got: mx.array, x: np.ndarray, numpy_layer, group_size, bits,
+                            int8: bool = False):
     weight, scales, biases = numpy_layer
     want = quantized.reference(x, weight, scales, biases, group_size, bits)
     magnitude = quantized.reference(np.abs(x), weight, np.abs(scales), np.abs(biases),
                                     group_size, bits)  # sum |w x| >= sum over |s q| + |b|
     bound = (x.shape[-1] + 2) * U * magnitude
+    if int8:
+        # x rounded to dx * int8 per block of 32 (dx = max |x| / 127): each element moves by at
+        # most dx / 2, so the sum by at most sum_i dx_i / 2 |w_i|; the integer sums are exact,
+        # then a few more float32 roundings per output than the float path (6 u of slack)
+        dx = np.abs(x).reshape(*x.shape[:-1], -1, 32).max(-1, keepdims=True) / 127
+        moved = np.broadcast_to(dx / 2, (*x.shape[:-1], x.shape[-1] // 32, 32)).reshape(x.shape)
+        bound = (bound + 6 * U * magnitude
+                 + quantized.reference(moved, weight, np.abs(scales), np.abs(biases),
+                                       group_size, bits) * (1 + 1e-6))
     error = np.abs(np.array(got, dtype=np.float64) - want)
     assert got.dtype == mx.float32 and got.shape == want.shape
     assert (error <= bound).all(), f"worst error {error.max():.3g}, bound there {bound.max():.3g}"
 
 
+def _has_vnni() -> bool:
+    module = quantized._state.get("module")
+    return module is not None and bool(module.int8_activations)
+
+
+ACTIVATIONS = ["float32", "int8"] if _has_vnni() else ["float32"]
+
+
+@pytest.fixture(params=ACTIVATIONS)
+def activation(request, monkeypatch):
+    """Each test runs with float32 activations and, where the CPU has VNNI, int8 ones."""
+    monkeypatch.setenv(quantized.ACTIVATIONS, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_products_match_float64_on_every_layout(bits, group_size, dtype):
+def test_products_match_float64_on_every_layout(bits, group_size, dtype, activation):
     rng = np.random.default_rng(bits * 1000 + group_size)
     n, k = 37, 3 * group_size  # 37 rows: not a multiple of any tile
     arrays, numpy_layer = random_layer(rng, n, k, bits, group_size, dtype)
@@ -68,17 +93,35 @@ def test_products_match_float64_on_every_layout(bits, group_size, dtype):
     for m in (*rows, 25, 40):  # more than 24 rows: dequantized tiles through sgemm
         x = rng.standard_normal((m, k)).astype(np.float32)
         got = cpu.quantized_matmul(mx.array(x), *arrays, group_size=group_size, bits=bits)
-        assert_close_to_float64(got, x, numpy_layer, group_size, bits)
+        int8 = activation == "int8" and m <= 24  # larger products: float32 (sgemm)
+        assert_close_to_float64(got, x, numpy_layer, group_size, bits, int8)
 
 
-def test_leading_axes_strided_inputs_and_other_activation_dtypes():
+def test_int8_activations_cover_odd_lengths_and_the_last_row():
+    """Rows of W shorter than a 64-byte block or ending inside one (masked loads): K = 32, 96,
+    160 and 608 at both widths, the matrix's last row included."""
+    if "int8" not in ACTIVATIONS:
+        pytest.skip("no VNNI here")
+    rng = np.random.default_rng(9)
+    for bits in (4, 8):
+        for k in (32, 96, 160, 608):
+            arrays, numpy_layer = random_layer(rng, 5, k, bits, 32, mx.float16)
+            x = rng.standard_normal((3, k)).astype(np.float32)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv(quantized.ACTIVATIONS, "int8")
+                got = cpu.quantized_matmul(mx.array(x), *arrays, group_size=32, bits=bits)
+            assert_close_to_float64(got, x, numpy_layer, 32, bits, int8=True)
+
+
+def test_leading_axes_strided_inputs_and_other_activation_dtypes(activation):
     rng = np.random.default_rng(1)
     arrays, numpy_layer = random_layer(rng, 19, 128, 4, 32, mx.float16)
     x = rng.standard_normal((2, 3, 256)).astype(np.float32)
     strided = mx.array(x)[..., ::2]  # every other column: not contiguous
     got = cpu.quantized_matmul(strided, *arrays, group_size=32, bits=4)
     assert got.shape == (2, 3, 19)
-    assert_close_to_float64(got.reshape(6, 19), x[..., ::2].reshape(6, 128), numpy_layer, 32, 4)
+    assert_close_to_float64(got.reshape(6, 19), x[..., ::2].reshape(6, 128), numpy_layer, 32, 4,
+                            activation == "int8")
     half = cpu.quantized_matmul(mx.array(x[..., :128]).astype(mx.bfloat16), *arrays,
                                 group_size=32, bits=4)
     assert half.dtype == mx.bfloat16
@@ -88,7 +131,7 @@ def test_leading_axes_strided_inputs_and_other_activation_dtypes():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_each_output_has_the_same_bits_whatever_the_number_of_rows(bits):
+def test_each_output_has_the_same_bits_whatever_the_number_of_rows(bits, activation):
     """What mlxspec.serving.fused_prefill relies on: rows multiplied together (and on the pool's
     threads: SmolLM2's MLP shape) give each row the bits it gets alone, for 1 to 24 rows."""
     rng = np.random.default_rng(bits)
