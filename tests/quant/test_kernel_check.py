@@ -154,6 +154,10 @@ def test_doctor_kernels_writes_one_json_report_with_the_machine(emulate, monkeyp
     assert report["kernel_check"]["ok"] and report["os"] and report["cpu"]
     assert report["memory_gb"] > 0 and "device_name" in report["device_info"]
     assert "EMULATED" in report["quantized_matmul"]
+    # finding 6: the default model in Metal's dtype against float32 (here quality only)
+    dtype_check = report["default_model_dtype"]
+    assert dtype_check["ok"] and dtype_check["activations"] == "float16", dtype_check
+    assert "default_model_dtype:" in result.stdout and "gguf_dtype" in report
 
 
 @needs_emulator

@@ -19,6 +19,7 @@ from llama_toys import tiny_llama
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import make_tiny_model
 
+from mlxspec.cpu import quantized as cpu_quantized
 from mlxspec.metal import emulator
 from mlxspec.quant import kernels, layers
 from mlxspec.quant.quantize import quantize_model
@@ -29,6 +30,13 @@ PROMPT = [[3, 17, 42, 8, 25, 61]]  # six tokens: a verification-sized block (zp_
 # Largest logit error relative to the largest logit: float32 accumulation in every path, then the
 # activations rounded to the model's dtype between layers (two layers).
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+
+
+@pytest.fixture(autouse=True)
+def macs_fallback(monkeypatch):
+    """The fallback a Mac has: MLX's own ``mx.quantized_matmul``, not the Linux CPU backend's
+    packed kernel (its int8 activations are another approximation, measured on its own)."""
+    monkeypatch.setenv(cpu_quantized.SWITCH, "0")
 
 
 def forward(model, path: str, monkeypatch) -> tuple[np.ndarray, np.ndarray, list[str]]:
