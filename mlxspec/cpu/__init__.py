@@ -16,8 +16,8 @@ every switch):
 The rest of mlxspec calls only the functions below: :func:`start` when ``mlxspec`` is imported
 (before ``mlx.core``), :func:`before_load` and :func:`prepare` from ``mlxspec.load``,
 :func:`report` from ``mlxspec doctor``, :func:`greedy_candidates` and :func:`blas_report` from
-the engine and the benchmarks, :func:`quantized_products` and :func:`quantized_matmul` from the
-quantized layers and the GGUF import. Each is a no-op (or reports "not used") where Metal runs.
+the engine and the benchmarks, :func:`quantized_products`, :func:`packed_weights_pay` and
+:func:`quantized_matmul` from the quantized layers and the GGUF import. Each is a no-op (or reports "not used") where Metal runs.
 ``tests/test_structure.py`` checks that no module outside this package imports its internals.
 """
 
@@ -118,6 +118,15 @@ def quantized_products() -> bool:
     from mlxspec.cpu import quantized
 
     return quantized.enable()
+
+
+def packed_weights_pay() -> tuple[bool, dict[str, float]]:
+    """Whether quantized weights should stay packed on this CPU rather than become float32 copies
+    (GGUF imports): the kernel is built and a decode product on it beat float32 + BLAS here,
+    measured once per machine (:func:`mlxspec.cpu.quantized.packed_pays`); with the numbers."""
+    from mlxspec.cpu import quantized
+
+    return quantized.packed_pays()
 
 
 def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, *,

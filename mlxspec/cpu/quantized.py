@@ -26,8 +26,12 @@ is unavailable, on a Linux x86-64 CPU with AVX2, FMA and F16C.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -114,6 +118,66 @@ def describe() -> str:
     if "why" in _state:
         return f"MLX's own quantized_matmul / float32 copies ({_state['why']})"
     return f"packed 4/8-bit products ({SOURCE.name}) once mlxspec.load builds them (g++, nanobind)"
+
+
+CHOICE_FILE = "packed_vs_dense.json"  # in $MLXSPEC_HOME/cpu_ops/: the measurement, per machine
+CHOICE_SHAPE = (1536, 576)  # (out, in) of the measured product: SmolLM2's MLP, one decode row
+
+
+def _choice_key() -> str:
+    from mlxspec.cpu import cpu_model
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"{cpu_model()} | {os.cpu_count()} CPUs | {SOURCE.name} {digest}"
+
+
+def _measure(matrices: int = 32, rounds: int = 3) -> dict[str, float]:
+    """Milliseconds of one decode row through ``matrices`` different (1536, 576) weights (more
+    bytes than the caches hold, as a model's layers): packed 4-bit on the kernel, and float32
+    copies through BLAS. Best of ``rounds``."""
+    n, k = CHOICE_SHAPE
+    dense = [mx.random.normal((n, k), key=mx.random.key(i)) * 0.05 for i in range(matrices)]
+    packed = [mx.quantize(w, group_size=32, bits=4) for w in dense]
+    x = mx.random.normal((1, k), key=mx.random.key(matrices))
+    mx.eval(dense, packed, x)
+
+    def best(product) -> float:
+        times = []
+        for _ in range(rounds):
+            tic = time.perf_counter()
+            for i in range(matrices):
+                mx.eval(product(i))
+            times.append(time.perf_counter() - tic)
+        return 1e3 * min(times) / matrices
+
+    return {"packed_ms": best(lambda i: matmul(x, *packed[i], group_size=32, bits=4)),
+            "dense_ms": best(lambda i: x @ dense[i].T)}
+
+
+def packed_pays() -> tuple[bool, dict[str, float]]:
+    """Whether decode products on the packed weights beat float32 copies through BLAS on this
+    machine, with the measurement (``packed_ms``, ``dense_ms``: one row through a (1536, 576)
+    weight). Measured once per machine and kernel (~1 s) and kept in
+    ``$MLXSPEC_HOME/cpu_ops/packed_vs_dense.json``; False without the kernel."""
+    if not enable():
+        return False, {}
+    if "choice" in _state:
+        return _state["choice"]
+    from mlxspec import paths
+
+    path, key = paths.home() / "cpu_ops" / CHOICE_FILE, _choice_key()
+    with _lock, paths.locked_directory(path.parent):
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if not isinstance(saved.get(key), dict):
+            saved[key] = _measure()
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(saved, indent=2) + "\n")
+        measured = saved[key]
+        _state["choice"] = (measured["packed_ms"] < measured["dense_ms"], measured)
+    return _state["choice"]
 
 
 def supported(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,

@@ -22,11 +22,12 @@ Other K-quants are dequantized, and the conversion says so in ``config.json``
 (``quantization.dequantized``): Q6_K's 16-weight sub-blocks have no MLX group size.
 
 Where quantized weights pay depends on the device (:func:`import_mode`): on Metal the quantized
-matmuls are the fast path; on a CPU they are where mlxspec's packed-weight kernel runs
-(``mlxspec.cpu.quantized_products``, Linux x86-64 with AVX2); without it MLX's quantized matmul
-does not use BLAS and a dense float32 matrix through OpenBLAS is faster, so the GGUF is
-dequantized there. ``MLXSPEC_GGUF_WEIGHTS``
-(``auto``, ``dense``, ``quantized``) overrides the choice.
+matmuls are the fast path; on a CPU, where mlxspec's packed-weight kernel runs (Linux x86-64 with
+AVX2) and a decode product on it measured faster than on a float32 copy through BLAS, once per
+machine (``mlxspec.cpu.packed_weights_pay``; ``mlxspec doctor`` shows the numbers); without it
+MLX's quantized matmul does not use BLAS and a dense float32 matrix through OpenBLAS is faster,
+so the GGUF is dequantized there. ``MLXSPEC_GGUF_WEIGHTS`` (``auto``, ``dense``, ``quantized``)
+overrides the choice.
 """
 
 from __future__ import annotations
@@ -61,13 +62,18 @@ STREAM_ENDS = ("model.embed_tokens", "lm_head")
 def import_mode() -> str:
     """``"quantized"`` (GGUF blocks kept as MLX quantized weights) or ``"dense"`` (dequantized
     to the conversion dtype), from ``MLXSPEC_GGUF_WEIGHTS`` or the device: quantized on Metal,
-    dense on a CPU (``quantized`` opts in to mlxspec's packed kernel there; module docstring)."""
+    and on a CPU where mlxspec's packed kernel measured faster than float32 + BLAS (once per
+    machine, :func:`mlxspec.cpu.packed_weights_pay`), else dense (module docstring)."""
     value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
     if value not in ("auto", "dense", "quantized"):
         raise UnsupportedModelError(f"{MODE_ENV}={value!r}: choose auto, dense or quantized")
     if value != "auto":
         return value
-    return "quantized" if mx.metal.is_available() else "dense"
+    if mx.metal.is_available():
+        return "quantized"
+    from mlxspec import cpu
+
+    return "quantized" if cpu.packed_weights_pay()[0] else "dense"
 
 
 @contextlib.contextmanager
@@ -88,10 +94,17 @@ def dense_conversion():
 def describe() -> str:
     """One line for ``mlxspec doctor``: how GGUF files are converted on this machine."""
     mode = import_mode()
-    why = (f"{MODE_ENV}={os.environ[MODE_ENV]}" if os.environ.get(MODE_ENV, "auto") != "auto"
-           else "Metal: quantized matmuls are the fast path" if mx.metal.is_available()
-           else "CPU: mlxspec's packed-weight kernel" if mode == "quantized"
-           else "CPU: dense float32 through BLAS is faster than MLX's quantized matmul")
+    if os.environ.get(MODE_ENV, "auto").strip().lower() not in ("", "auto"):
+        why = f"{MODE_ENV}={os.environ[MODE_ENV]}"
+    elif mx.metal.is_available():
+        why = "Metal: quantized matmuls are the fast path"
+    else:
+        from mlxspec import cpu
+
+        ms = cpu.packed_weights_pay()[1]
+        why = (f"CPU, measured here: a decode product {ms['packed_ms']:.3f} ms packed against "
+               f"{ms['dense_ms']:.3f} ms float32 + BLAS" if ms else
+               "CPU without mlxspec's packed-weight kernel: float32 through BLAS is faster")
     kinds = ", ".join(t.name for t in IMPORTED)
     return f"GGUF weights: {mode} ({why}); {kinds} import bit-exact as MLX quantized, K-quants dequantized"
 

@@ -265,3 +265,27 @@ def test_a_model_loaded_through_plain_mlx_lm_gives_the_same_results(packed):
     result = subprocess.run([sys.executable, "-c", _PLAIN, directory], capture_output=True,
                             text=True, check=True, timeout=300)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == here
+
+
+def test_packed_or_dense_is_measured_once_per_machine_and_the_record_decides(tmp_path,
+                                                                            monkeypatch):
+    """GGUF imports stay packed where a decode product measured faster on the kernel than on a
+    float32 copy: the numbers are kept in MLXSPEC_HOME, and the kept record (not a new
+    measurement) decides afterwards; MLXSPEC_GGUF_WEIGHTS still overrides it."""
+    from mlxspec.gguf import tensors
+
+    monkeypatch.setenv("MLXSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv(tensors.MODE_ENV, raising=False)
+    monkeypatch.delitem(quantized._state, "choice", raising=False)
+    pays, measured = cpu.packed_weights_pay()
+    path = tmp_path / "cpu_ops" / quantized.CHOICE_FILE
+    saved = json.loads(path.read_text())
+    assert list(saved.values()) == [measured] and measured["packed_ms"] > 0
+    assert pays == (measured["packed_ms"] < measured["dense_ms"])
+    slower = {"packed_ms": 2.0, "dense_ms": 1.0}
+    path.write_text(json.dumps({key: slower for key in saved}))
+    quantized._state.pop("choice")
+    assert cpu.packed_weights_pay() == (False, slower)
+    assert tensors.import_mode() == "dense" and "2.000 ms packed" in tensors.describe()
+    monkeypatch.setenv(tensors.MODE_ENV, "quantized")
+    assert tensors.import_mode() == "quantized"

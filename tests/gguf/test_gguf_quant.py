@@ -12,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
+from mlxspec import cpu
 from mlxspec.errors import UnsupportedModelError
 from mlxspec.gguf import tensors as gguf_quant
 from mlxspec.gguf.convert import convert_gguf, gguf_cache_key, read_gguf
@@ -69,9 +70,12 @@ def test_k_quants_have_no_exact_layout():
 
 def test_the_import_mode_follows_the_device_and_the_override(monkeypatch):
     monkeypatch.delenv(gguf_quant.MODE_ENV, raising=False)
-    # quantized on Metal; a CPU keeps float32 until packed GGUF imports match the GGUF reference
-    assert gguf_quant.import_mode() == ("quantized" if mx.metal.is_available() else "dense")
+    # quantized on Metal, and on a CPU where the packed kernel measured faster than float32
+    packed = mx.metal.is_available() or cpu.packed_weights_pay()[0]
+    assert gguf_quant.import_mode() == ("quantized" if packed else "dense")
     assert "K-quants dequantized" in gguf_quant.describe()
+    if not mx.metal.is_available() and cpu.quantized_products():
+        assert "measured here" in gguf_quant.describe()
     path = default_model_path()
     keys = set()
     for mode in ("dense", "quantized"):
