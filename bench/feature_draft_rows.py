@@ -7,6 +7,8 @@ head's training set), at each temperature, interleaved ``repeats`` times:
     feature k=3    the head at a fixed draft length
     feature auto   the head with auto-k (what `--draft auto` runs)
     lookup auto    prompt lookup with auto-k
+    combined auto  the head and prompt lookup together (lookup's run when it matches 2+ tokens,
+                   else the head's; ``mlxspec.speculative.combined``), auto-k
 
 Reported: tokens/s pooled over the repeats (total tokens / total seconds) and against plain
 decoding and prompt lookup; mean accepted length (tokens per target pass); the draft's cost per
@@ -19,6 +21,8 @@ from __future__ import annotations
 from functools import partial
 
 from mlxspec.chat import chat_prompt
+from mlxspec.speculative.combined import CombinedDrafter
+from mlxspec.speculative.drafters import PromptLookupDrafter
 from mlxspec.speculative.heads import make_feature_drafter
 
 PROMPTS = {
@@ -42,6 +46,7 @@ def feature_rows(model, tokenizer, run, max_tokens: int, temps: list[float], see
     drafter = make_feature_drafter(head, model, tokenizer)
     if drafter is None:
         return {"error": "no feature draft for this model (no shipped head matches it)"}
+    combined = CombinedDrafter(drafter, PromptLookupDrafter())
     rows = []
     for kind, text in PROMPTS.items():
         prompt = chat_prompt(tokenizer, [{"role": "user", "content": text}])
@@ -52,6 +57,7 @@ def feature_rows(model, tokenizer, run, max_tokens: int, temps: list[float], see
                 "feature_k3": partial(run, *args, draft=drafter, num_draft_tokens=3),
                 "feature_auto": partial(run, *args, draft=drafter, num_draft_tokens="auto"),
                 "lookup_auto": partial(run, *args, prompt_lookup=True, num_draft_tokens="auto"),
+                "combined_auto": partial(run, *args, draft=combined, num_draft_tokens="auto"),
             }
             runs = {way: [] for way in ways}
             for _ in range(repeats):
@@ -77,13 +83,14 @@ def feature_rows(model, tokenizer, run, max_tokens: int, temps: list[float], see
             base = row["plain"]["tps"]
             for way in ways:
                 row[way]["vs_plain"] = round(row[way]["tps"] / base, 3)
-            row["feature_auto"]["vs_lookup"] = round(
-                row["feature_auto"]["tps"] / row["lookup_auto"]["tps"], 3)
+            for way in ("feature_auto", "combined_auto"):
+                row[way]["vs_lookup"] = round(row[way]["tps"] / row["lookup_auto"]["tps"], 3)
             rows.append(row)
             log(f"{kind:10s} T={temp:<4} plain {base:6.1f}  feature k3 "
                 f"{row['feature_k3']['tps']:6.1f} (len {row['feature_k3'].get('mean_accepted_length')})"
                 f"  feature auto {row['feature_auto']['tps']:6.1f} "
-                f"({row['feature_auto']['vs_plain']}x)  lookup {row['lookup_auto']['tps']:6.1f}")
+                f"({row['feature_auto']['vs_plain']}x)  lookup {row['lookup_auto']['tps']:6.1f}"
+                f"  combined {row['combined_auto']['tps']:6.1f}")
     return {"head": head, "rows": rows, "checks": feature_checks(rows, temps)}
 
 

@@ -16,7 +16,10 @@ from mlxspec.cli.common import model_option
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=8))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(model, prompt, max_tokens, repeats, as_json):
+@click.option("--draft", default="auto", show_default=True,
+              help="Also decode with this feature draft (EAGLE-3 head): 'auto' (the head shipped "
+                   "for this model, if any), a head's directory, or 'none'.")
+def command(model, prompt, max_tokens, repeats, as_json, draft):
     """Measure prompt and decode tokens/s, achieved bandwidth and roofline fraction for mlxspec
     and plain mlx-lm on the same model and prompt, in one run.
 
@@ -31,5 +34,6 @@ def command(model, prompt, max_tokens, repeats, as_json):
     result = compare_decode(
         model, prompt=prompt or DEFAULT_PROMPT, max_tokens=max_tokens, repeats=repeats,
         progress=None if as_json else (lambda msg: click.echo(f"... {msg}", err=True)),
+        draft=draft,
     )
     click.echo(render.as_json(result) if as_json else render.bench_table(result))

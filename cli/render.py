@@ -161,7 +161,9 @@ def bench_table(result: dict[str, Any]) -> str:
         f"memory bandwidth (copy): {result['memory_bandwidth_gbs']:.1f} GB/s",
         f"{'engine':<10}{'prompt tok/s':>14}{'decode tok/s':>14}{'GB/s':>8}{'roofline':>10}",
     ]
-    for name in ("mlx_lm", "mlxspec"):
+    for name in ("mlx_lm", "mlxspec", "draft"):
+        if name not in result:
+            continue
         r = result[name]
         lines.append(
             f"{name:<10}{r['prompt_tps']:>14.1f}{r['generation_tps']:>14.1f}"
@@ -171,6 +173,11 @@ def bench_table(result: dict[str, Any]) -> str:
         f"mlxspec / mlx-lm: decode {result['decode_ratio']:.2f}x, "
         f"prefill {result['prefill_ratio']:.2f}x"
     )
+    if "draft" in result:  # GB/s and roofline of the draft row: the target's bytes per token
+        lines.append(
+            f"draft / mlxspec: decode {result['draft_ratio']:.2f}x, "
+            f"{result['draft'].get('tokens_per_pass', 0):.2f} tokens per target pass"
+        )
     if result.get("emulated"):  # MLXSPEC_KERNELS=emulate: no number here is a Metal speed
         lines = [f"{line}  [kernels {result['emulated']}]" for line in lines]
     return "\n".join(lines)

@@ -45,7 +45,8 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
 
     Routes: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
     GET /v1/models, GET /health. Concurrent requests are batched; a lone request decodes
-    speculatively when a draft model or --prompt-lookup is given.
+    speculatively with the feature draft (--draft, by default the head shipped for the model),
+    a draft model or --prompt-lookup.
 
     \b
     Examples:
@@ -65,7 +66,8 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
         max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_step=prefill_step,
         prompt_cache_size=prompt_cache_size, allowed_origins=allowed_origins,
         draft_model=draft_model, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
-        ngram_max=ngram_max, draft_min_confidence=draft_min_confidence)
+        ngram_max=ngram_max, draft_min_confidence=draft_min_confidence,
+        feature_draft=click.get_current_context().meta.get("mlxspec.draft"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
                err=True)

@@ -75,16 +75,28 @@ def roofline(achieved_gbs: float, bandwidth_gbs: float) -> float:
     return achieved_gbs / bandwidth_gbs
 
 
-def _run(engine: str, model, tokenizer, prompt_ids: list[int], max_tokens: int) -> dict:
-    """One decode of ``max_tokens`` with ``engine`` ("mlxspec" or "mlx_lm"): its speed stats."""
-    if engine == "mlxspec":
-        from mlxspec.generate import stream_generate
-    else:
+def _run(engine: str, model, tokenizer, prompt_ids: list[int], max_tokens: int,
+         draft: Any = None) -> dict:
+    """One decode of ``max_tokens`` with ``engine`` ("mlxspec", "mlx_lm", or "draft": mlxspec
+    with the drafter ``draft``, auto draft length): its speed stats."""
+    kwargs = {}
+    if engine == "mlx_lm":
         from mlx_lm import stream_generate
+    else:
+        from mlxspec.generate import stream_generate
 
-    last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens), maxlen=1)[0]
-    return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
-            "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
+        if engine == "draft":
+            draft.reset()
+            kwargs = {"draft": draft}
+    last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, **kwargs),
+                 maxlen=1)[0]
+    stats = {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
+             "generation_tokens": last.generation_tokens, "peak_memory_gb": last.peak_memory}
+    spec = getattr(last, "spec_stats", None)
+    if engine == "draft" and spec is not None:
+        stats["tokens_per_pass"] = spec.tokens_per_pass
+        stats["acceptance_rate"] = spec.acceptance_rate
+    return stats
 
 
 def _median_runs(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -98,8 +110,13 @@ def compare_decode(
     max_tokens: int = 64,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    draft: str | None = None,
 ) -> dict[str, Any]:
     """Decode and prefill speed of mlxspec vs mlx-lm on the same model and prompt, in one process.
+
+    ``draft``: also mlxspec with this feature draft (``"auto"``: the head shipped for the model,
+    left out when there is none; or a head's directory), reported as the ``draft`` engine with
+    its tokens per target pass and ``draft_ratio`` (÷ mlxspec's plain decoding).
 
     Runs alternate between the two (after one warm-up each) so that drift in machine load hits
     both; medians of ``repeats`` runs are reported.
@@ -126,12 +143,19 @@ def compare_decode(
     say("measuring memory bandwidth")
     bandwidth = memory_bandwidth()
     runs: dict[str, list[dict[str, float]]] = {"mlx_lm": [], "mlxspec": []}
+    drafter = None
+    if draft not in (None, "none"):
+        from mlxspec.speculative import make_feature_drafter
+
+        drafter = make_feature_drafter(draft, model, tokenizer)
+        if drafter is not None:
+            runs["draft"] = []
     for engine in runs:  # warm-up
-        _run(engine, model, tokenizer, prompt_ids, 8)
+        _run(engine, model, tokenizer, prompt_ids, 8, drafter)
     for i in range(repeats):
         for engine, engine_runs in runs.items():
             say(f"run {i + 1}/{repeats}: {engine}")
-            engine_runs.append(_run(engine, model, tokenizer, prompt_ids, max_tokens))
+            engine_runs.append(_run(engine, model, tokenizer, prompt_ids, max_tokens, drafter))
     result: dict[str, Any] = {
         "model": model_spec or "default (SmolLM2-135M-Instruct)",
         "prompt_tokens": len(prompt_ids),
@@ -151,4 +175,7 @@ def compare_decode(
         result[name] = med
     result["decode_ratio"] = result["mlxspec"]["generation_tps"] / result["mlx_lm"]["generation_tps"]
     result["prefill_ratio"] = result["mlxspec"]["prompt_tps"] / result["mlx_lm"]["prompt_tps"]
+    if "draft" in result:
+        result["draft_ratio"] = (result["draft"]["generation_tps"]
+                                 / result["mlxspec"]["generation_tps"])
     return result

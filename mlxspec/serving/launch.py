@@ -41,10 +41,13 @@ def start_server(
     prompt_lookup: bool = False,
     ngram_max: int = 3,
     draft_min_confidence: float = 0.0,
+    feature_draft: str | None = None,
 ) -> Server:
     """Load ``model`` (and ``draft_model``), and listen on ``host:port``; the caller runs
     :func:`mlxspec.serving.http.serve_forever` on the result. ``max_context`` defaults to the
-    model's ``max_position_embeddings`` (8192 when the config has none).
+    model's ``max_position_embeddings`` (8192 when the config has none). ``feature_draft``:
+    ``"auto"`` (the head shipped for the model, if any) or a head's directory / Hub id, used when
+    neither ``draft_model`` nor ``prompt_lookup`` is given.
 
     Raises:
         ServeAddressError: the address cannot be listened on.
@@ -52,11 +55,13 @@ def start_server(
     from mlxspec.load import load, read_config, resolve_model_path
     from mlxspec.serving.engine import Engine
     from mlxspec.serving.openai_api import Limits
-    from mlxspec.speculative import make_draft
+    from mlxspec.speculative import FeatureDraft, make_draft
 
     path = resolve_model_path(model)
     nn_model, tokenizer = load(str(path))
     draft_nn, draft_tokenizer = load(draft_model) if draft_model is not None else (None, None)
+    if draft_nn is None and not prompt_lookup and feature_draft not in (None, "none"):
+        draft_nn = FeatureDraft(feature_draft)
     draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
                        prompt_lookup=prompt_lookup, ngram_max=ngram_max,
                        min_confidence=draft_min_confidence)

@@ -35,3 +35,41 @@ def test_auto_finds_no_head_for_another_model():
             return {f"t{i}": i for i in range(64)}
 
     assert make_feature_drafter("auto", tiny_llama(0, vocab=64), Tokenizer()) is None
+
+
+@pytest.mark.slow
+def test_served_lone_stream_drafts_with_the_head_and_yields_to_the_batch_exactly(smollm2):
+    """``serve --draft auto``: the lone stream leaves the batch and speculates with the shipped
+    head (whose features of the batch-decoded context are computed again, not zeros), a second
+    request sends it back to the batch, and both texts are plain greedy decoding's."""
+    from mlx_lm import stream_generate
+
+    from mlxspec.serving.engine import Engine
+    from mlxspec.serving.requests import Request
+    from mlxspec.speculative import FeatureDraft, make_draft
+
+    model, tokenizer = smollm2
+
+    def reference(prompt, n):
+        return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=n))
+
+    prompt_a = chat_prompt(tokenizer, [{"role": "user", "content": "List three uses of salt."}])
+    prompt_b = tokenizer.encode("The capital of France is")
+    draft = make_draft(model, tokenizer, draft_model=FeatureDraft("auto"))
+    engine = Engine(model, tokenizer, draft=draft, num_draft_tokens=3)
+    a = engine.submit(Request(prompt_a, max_tokens=48))
+    texts, phases, b = {a: ""}, [], None
+    while engine.streams:
+        if len(phases) == 12 and b is None:  # A is alone and speculating: B arrives
+            assert engine.speculating
+            b = engine.submit(Request(prompt_b, max_tokens=4))
+            texts[b] = ""
+        for event in engine.step():
+            texts[event.rid] += event.text
+            if event.rid == a:
+                phases.append((event.speculative, len(engine.streams)))
+    assert texts == {a: reference(prompt_a, 48), b: reference(prompt_b, 4)}
+    shared = [spec for spec, streams in phases if streams == 2]
+    assert shared and not any(shared)  # batched, not speculative, while B ran
+    assert phases[-1][0]  # alone again: speculating again
+    assert draft.target.features is not None and draft.cached > len(prompt_a)
