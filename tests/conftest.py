@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # (tiny_models, chi_square, ...) stay here, importable from every folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MLXSPEC_HOME", str(ROOT / ".cache" / "mlxspec-test"))
+# GGUF imports in float32 on every device, like the float references the tests compare with (on a
+# Mac a llama would convert to float16: tests/gguf/test_gguf_metal_dtype.py tests that choice).
+os.environ.setdefault("MLXSPEC_GGUF_DTYPE", "float32")
 
 # Checks shared by several test files: their asserts report values as the tests' own do.
 pytest.register_assert_rewrite("quant_storage_checks", "speculative_helpers")
