@@ -49,6 +49,12 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
+# Every row quantizes the float model and is judged against it: a GGUF converts to dense float32
+# weights here even on a machine where GGUF imports stay packed (mlxspec.gguf.tensors). Given a
+# packed import, mlx_lm.quant.awq stops at once (its embedding is already a QuantizedEmbedding)
+# and mlxspec refuses to quantize it again.
+os.environ.setdefault("MLXSPEC_GGUF_WEIGHTS", "dense")
+
 METHODS = ("mlx-lm", "rtn", "gptq", "awq")
 QUALITY_CASES = [(4, 64, None), (4, 128, None), (8, 64, None), (4, 64, "embed8")]
 SPEED_PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -204,11 +210,13 @@ _DENSE_QUANTIZED_LINEAR = (
     "nn.QuantizedLinear.__call__ = _dense_call\n")
 
 
-def calibration_set_file(name: str, which: str, out_root: str) -> str:
+def calibration_set_file(name: str, which: str, out_root: str,
+                         amount: tuple[int, int] | None = None) -> str:
     """The calibration text every tool of the anchor comparison reads: ``austen`` (the old
     one-author text, ``data/calibration.txt``), ``mix`` (mlxspec's built-in set: prose, code,
-    technical and the float model's own answers to the built-in prompts, 32 windows of 256 tokens,
-    decoded to text, so that mlx-lm's tools read the very same set), or a file."""
+    technical and the float model's own answers to the built-in prompts, ``amount`` = (windows,
+    tokens) -- mlxspec's default 32 x 256 when None -- decoded to text, so that mlx-lm's tools
+    read the very same set), or a file."""
     from pathlib import Path
 
     from mlxspec.load import load, resolve_model_path
@@ -218,19 +226,20 @@ def calibration_set_file(name: str, which: str, out_root: str) -> str:
         return str(calibrate.builtin_calibration_path())
     if which != "mix":
         return which
-    path = Path(out_root) / f"{name}-calibration-mix.txt"
+    windows, tokens = amount or (calibrate.DEFAULT_CALIBRATION_WINDOWS,
+                                 calibrate.DEFAULT_CALIBRATION_TOKENS)
+    suffix = "" if amount is None else f"-{windows}x{tokens}"
+    path = Path(out_root) / f"{name}-calibration-mix{suffix}.txt"
     if not path.exists():
         model, tokenizer = load(str(resolve_model_path(model_spec(name))))
         from mlxspec.publish.self_calibration import generate_conversations
 
-        conversations = generate_conversations(model, tokenizer, calibration_set.chat_prompts_needed(
-            calibrate.DEFAULT_CALIBRATION_WINDOWS, calibrate.DEFAULT_CALIBRATION_TOKENS),
-            progress=True)
-        windows, _ = calibration_set.mixed_windows(
-            tokenizer, conversations=conversations, windows=calibrate.DEFAULT_CALIBRATION_WINDOWS,
-            window_tokens=calibrate.DEFAULT_CALIBRATION_TOKENS)
+        conversations = generate_conversations(
+            model, tokenizer, calibration_set.chat_prompts_needed(windows, tokens), progress=True)
+        cut, _ = calibration_set.mixed_windows(tokenizer, conversations=conversations,
+                                               windows=windows, window_tokens=tokens)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(calibration_set.windows_text(tokenizer, windows), encoding="utf-8")
+        path.write_text(calibration_set.windows_text(tokenizer, cut), encoding="utf-8")
     return str(path)
 
 
@@ -267,18 +276,23 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
 
     from mlx_lm.utils import dequantize_model
 
+    from mlxspec import cpu, paths
     from mlxspec.evaluation import compare_domains, domain_windows
     from mlxspec.load import load, resolve_model_path
     from mlxspec.publish.quantize_flow import quantize_to_dir
     from mlxspec.quant import quantize as q
 
     source = resolve_model_path(model_spec(name))
-    calibration_text = calibration_set_file(name, calibration_set, out_root)
+    calibration_text = calibration_set_file(name, calibration_set, out_root, calibration)
     set_name = Path(calibration_text).stem if calibration_set not in ("austen", "mix") \
         else calibration_set
-    target = Path.home() / ".cache" / "mlx-lm" / "calibration_v5.txt"
+    # mlx-lm's quantizers read ~/.cache/mlx-lm/calibration_v5.txt: each child gets a home of its
+    # own holding this run's text (the user's cache is left alone; runs may go side by side)
+    home = Path(out_root) / f"home-{name}-{set_name}"
+    target = home / ".cache" / "mlx-lm" / "calibration_v5.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(calibration_text, target)
+    child_env = {**os.environ, "HOME": str(home), "MLXSPEC_HOME": str(paths.home())}
     reference, tokenizer = load(str(source))
     cached = CachedLogits(reference)
     eval_windows = domain_windows(tokenizer, windows=windows)
@@ -309,16 +323,19 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             extra = (["--fallback-bits", str(bits), "--fallback-group-size", str(group_size)]
                      if tool == "gptq" else ["--embed-bits", str(bits),
                                              "--embed-group-size", str(group_size)])
+            if calibration and tool != "dwq":  # the same amount as mlxspec's rows
+                extra += ["--num-samples", str(calibration[0]),
+                          "--sequence-length", str(calibration[1])]
             shutil.rmtree(out, ignore_errors=True)
             child = (_DENSE_QUANTIZED_LINEAR if tool == "awq" else "") + _RUN_WITH_MLXSPEC_BLAS
             # DWQ offline (see there), on mlx-lm's stored top-1024 targets, as mlxspec distils
-            targets = Path(out_root) / f"{name}-dwq-targets"
+            targets = Path(out_root) / f"{name}-{Path(calibration_text).stem}-dwq-targets"
             run = (["-c", child, f"mlx_lm.quant.{tool}"] if tool != "dwq"
                    else [str(Path(__file__).with_name("dwq_local.py")), "--target-dir",
-                         str(targets)])
+                         str(targets), "--text", calibration_text])
             subprocess.run([sys.executable, *run, "--model", str(source), "--mlx-path", str(out),
                             "--bits", str(bits), "--group-size", str(group_size),
-                            *(extra if tool != "dwq" else [])], check=True)
+                            *(extra if tool != "dwq" else [])], check=True, env=child_env)
             if not (out / "config.json").exists():
                 raise RuntimeError(f"mlx_lm.quant.{tool} wrote nothing to {out}")
         elif not reused:  # "awq+gptq+distill": awq+gptq, then DWQ's amount of distillation
@@ -337,8 +354,9 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
             used = (f"{r['windows'] - r['valid_samples']} x {r['max_seq_length']}-token windows,"
                     f" {r['epochs']} epochs: {r['steps']} steps at lr {r['learning_rate']:g}"
                     f" ({r.get('targets', 'full')} logits)")
-        elif method.startswith("mlx_lm."):
-            used = "every 512-token window"  # their defaults: all samples, sequence length 512
+        elif method.startswith("mlx_lm."):  # their defaults: all samples, sequence length 512
+            used = f"{calibration[0]} x {calibration[1]}" if calibration else \
+                "every 512-token window"
         elif "calibration_windows" in record:
             used = f"{record['calibration_windows']} x {record['calibration_window_tokens']}"
             if "distillation" in record:  # as the mlx_lm.dwq row says it
@@ -359,7 +377,9 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                "calibration_set": "none" if method == "rtn" else set_name,
                **{k: result[k] for k in keys},
                "domains": {d: {k: r[k] for k in keys} for d, r in result["domains"].items()},
-               "worst_domain": result["worst"]["domain"]}
+               "worst_domain": result["worst"]["domain"],
+               # seconds depend on the host and its load (KL does not)
+               "cpu": cpu.cpu_model(), "load_average_1min": round(os.getloadavg()[0], 2)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         if rows_file:
             with open(rows_file, "a") as f:
@@ -496,7 +516,8 @@ def main() -> None:
     parser.add_argument("--mlx-lm-anchors", default="",
                         help="comma-separated mlx-lm learned quantizers to run too: gptq,awq,"
                              "dwq (slow: mlx_lm.awq took 47 min on SmolLM2 here; dwq runs "
-                             "bench/dwq_local.py, ~40 min a 4-bit SmolLM2 case)")
+                             "bench/dwq_local.py, ~40 min a 4-bit SmolLM2 case); none: "
+                             "only mlxspec's --anchor-methods")
     parser.add_argument("--anchor-dir", default="bench-anchors",
                         help="where the anchors' models (mlx-lm's and mlxspec's) are written")
     parser.add_argument("--anchor-cases", default="4g64,4g32,8g64",
@@ -518,14 +539,20 @@ def main() -> None:
     parser.add_argument("--anchor-rows", default=None,
                         help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--table", default=None, metavar="ROWS_JSONL",
+                        help="only print the per-domain markdown tables of an --anchor-rows file")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(domain_table([json.loads(line) for line in f if line.strip()]))
+        return
 
     from mlxspec import cpu
     from mlxspec.quant import layers
 
     names = [n for n in args.models.split(",") if n]
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+        "machine": {"platform": platform.platform(), "cpu": cpu.cpu_model(),
                     "cpus": os.cpu_count(), "metal": mx.metal.is_available(),
                     "blas": cpu.blas_report(measure=False),
                     "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
@@ -544,7 +571,7 @@ def main() -> None:
     if args.exactness_cost:
         result["exactness_cost"] = [r for n in names for r in exactness_cost(n, args.windows)]
     if args.mlx_lm_anchors:
-        tools = args.mlx_lm_anchors.split(",")
+        tools = [t for t in args.mlx_lm_anchors.split(",") if t != "none"]  # none: mlxspec only
         cases = [tuple(int(x) for x in c.split("g")) for c in args.anchor_cases.split(",")]
         calibration = (tuple(int(x) for x in args.anchor_calibration.split("x"))
                        if args.anchor_calibration else None)
@@ -558,6 +585,49 @@ def main() -> None:
         ]
     text = json.dumps(result, indent=2)
     print(text if args.json else format_tables(result))
+
+
+DOMAIN_ORDER = ("prose", "code", "chat", "technical")
+
+
+def domain_table(rows: list[dict]) -> str:
+    """Markdown tables of anchor rows (a ``--anchor-rows`` JSONL), one per model and case: per
+    domain KL mean, then p99 KL / top-1 % / perplexity, the worst domain and the pooled KL; the
+    best value of each KL column in bold. Rows of the same method and set keep the last one."""
+    last = {(r["model"], r["bits"], r["group_size"], r["method"], r.get("calibration_set")): r
+            for r in rows}
+    lines = []
+    for case in sorted({k[:3] for k in last}):
+        group = [r for k, r in last.items() if k[:3] == case]
+        model, bits, group_size = case
+        reference = {d: group[0]["domains"][d]["reference_perplexity"] for d in DOMAIN_ORDER
+                     if d in group[0]["domains"]}
+        domains = list(reference)
+        best = {d: min(r["domains"][d]["kl_mean"] for r in group) for d in domains}
+        best_worst = min(r["domains"][r["worst_domain"]]["kl_mean"] for r in group)
+        lines += [f"{model} {bits}-bit g{group_size} (KL mean per domain; below it p99 / "
+                  "top-1 % / ppl; float ppl " + ", ".join(f"{d} {p:.1f}" for d, p in
+                                                          reference.items()) + ")", "",
+                  "| method | calibration | MB | " + " | ".join(domains)
+                  + " | worst | pooled |", "|---|---|--:|" + "--:|" * (len(domains) + 2)]
+        for r in sorted(group, key=lambda r: -r["kl_mean"]):
+            cells = []
+            for d in domains:
+                x = r["domains"][d]
+                kl = f"{x['kl_mean']:.3f}" if bits < 8 else f"{x['kl_mean']:.4f}"
+                kl = f"**{kl}**" if x["kl_mean"] == best[d] else kl
+                cells.append(f"{kl}<br>{x['kl_p99']:.2f} / {x['top1_agreement']:.1f} / "
+                             f"{x['perplexity']:.1f}")
+            worst = r["domains"][r["worst_domain"]]["kl_mean"]
+            worst_cell = f"{worst:.4f}" if bits >= 8 else f"{worst:.3f}"
+            worst_cell = f"**{worst_cell}**" if worst == best_worst else worst_cell
+            pooled = f"{r['kl_mean']:.4f}" if bits >= 8 else f"{r['kl_mean']:.3f}"
+            lines.append(f"| {r['method']} | {r.get('calibration_set')} "
+                         f"{r.get('calibration') or ''} | {r['weight_bytes'] / 1e6:.1f} | "
+                         + " | ".join(cells) + f" | {worst_cell} ({r['worst_domain']}) | "
+                         f"{pooled} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def format_tables(result: dict) -> str:
