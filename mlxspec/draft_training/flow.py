@@ -109,19 +109,24 @@ def train_draft(
         taps = head.config.taps
         data = load_shards(compute_features(target, samples, work / "features", taps,
                                             show_progress))
-        deadline = None if minutes is None else time.monotonic() + 60 * minutes
-        log = train(head, data, work, settings, show_progress,
-                    should_stop=lambda: deadline is not None and time.monotonic() > deadline)
-        step = load_checkpoint(work, head, _optimizer_stub())[0]
         held_data = load_shards(compute_features(target, held, work / "held_features", taps,
                                                  show_progress))
+        deadline = None if minutes is None else time.monotonic() + 60 * minutes
+        log = train(head, data, work, settings, show_progress,
+                    should_stop=lambda: deadline is not None and time.monotonic() > deadline,
+                    evaluate=lambda h: predicted_acceptance(h, held_data, settings.ttt_steps))
+        step = load_checkpoint(work, head, _optimizer_stub())[0]
         agreement = predicted_acceptance(head, held_data, settings.ttt_steps)
         measured = measured_acceptance(target, tokenizer, head, held_items, max_tokens=max_tokens)
+        kept = set(draft_ids)
+        answers = [t for sample in held for t in sample["response"]]
+        coverage = sum(t in kept for t in answers) / max(len(answers), 1)
         report = {
             "target": extra["target"], "command": command, "steps": step,
             "settings": asdict(settings), "instructions": len(items),
             "answer_tokens": sum(len(s["response"]) for s in samples),
             "draft_vocab": len(draft_ids), "taps": taps,
+            "held_out_coverage": round(coverage, 4),  # answer tokens inside the draft vocab
             "held_out": {"instructions": len(held_items), "agreement_per_step": agreement,
                          "predicted_tokens_per_pass": expected_tokens_per_pass(agreement),
                          "measured": measured},
@@ -166,6 +171,22 @@ def card(report: dict[str, Any]) -> str:
         f"- held-out agreement per drafted position: {held['agreement_per_step']} "
         f"(predicted {held['predicted_tokens_per_pass']} tokens per target pass)",
         f"- measured (greedy, k = {measured['k']}): {measured['tokens_per_pass']} tokens per "
-        f"target pass, acceptance {measured['acceptance_rate']}", "",
+        f"target pass, acceptance {measured['acceptance_rate']}",
+        f"- held-out answer tokens inside the draft vocabulary: "
+        f"{report.get('held_out_coverage', '?')}", "",
         "Use: `mlxspec generate --draft PATH` (or `--draft auto` for the default model).", "",
+        *_curve(report["log"]),
     ])
+
+
+def _curve(log: list[dict]) -> list[str]:
+    """The acceptance curve: held-out agreement per drafted position at every checkpoint."""
+    rows = [e for e in log if "held_out" in e]
+    if not rows:
+        return []
+    lines = ["## Acceptance against training", "",
+             "| step | answer tokens trained on | held-out agreement (positions 1, 2, 3) "
+             "| predicted tokens per pass |", "|--:|--:|--|--:|"]
+    lines += [f"| {e['step']} | {e.get('tokens', '?')} | {e['held_out']} | "
+              f"{expected_tokens_per_pass(e['held_out'])} |" for e in rows]
+    return lines + [""]

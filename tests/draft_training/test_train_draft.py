@@ -1,4 +1,5 @@
-"""Training a feature draft: a tiny run to a head that loads back, exact resume, nothing lost.
+"""Training a feature draft: a tiny run to a head that loads back, exact resume, nothing lost,
+the acceptance curve logged.
 
 The tiny runs use a 4-layer random model with a byte tokenizer (tests/tiny_models.py): the
 head's quality is not the point (that is the benchmark's), the flow's guarantees are.
@@ -107,6 +108,10 @@ def test_train_draft_writes_a_head_that_loads_back_and_drafts_losslessly(tmp_pat
                          max_tokens=12, limit=3, held_out_count=2, draft_vocab=64, batch_size=3,
                          show_progress=False)
     assert report["steps"] == 4 and report["held_out"]["measured"]["generated"] > 0
+    curve = [e for e in report["log"] if "held_out" in e]  # a checkpoint every 2 steps
+    assert [e["step"] for e in curve] == [2, 4] and curve[0]["tokens"] < curve[1]["tokens"]
+    assert all(len(e["held_out"]) == 3 and 0 <= min(e["held_out"]) for e in curve)
+    assert "| 4 |" in (out / "README.md").read_text()  # the curve on the card
     assert {"config.json", "model.safetensors", "README.md", "training.json"} <= \
         {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
@@ -133,3 +138,16 @@ def test_an_output_directory_that_is_not_a_head_is_refused(tmp_path, tiny_target
         train_draft(str(tiny_target), out, limit=1, show_progress=False)
     assert (out / "notes.txt").read_text() == "keep me"
     assert mx.array(0).item() == 0
+
+
+def test_every_epoch_holds_each_answer_once_in_batches_of_similar_length():
+    from mlxspec.draft_training.train import _data_order
+
+    rng = np.random.default_rng(0)
+    samples = [{"tokens": np.zeros(int(n))} for n in rng.integers(5, 500, 64)]
+    order = _data_order(samples, TrainSettings(steps=64, batch=4))
+    assert sorted(order[:64].tolist()) == list(range(64))  # one epoch: each sample once
+    lengths = np.array([len(s["tokens"]) for s in samples])[order[:64]].reshape(16, 4)
+    spread = (lengths.max(1) - lengths.min(1)).mean()
+    shuffled = lengths.reshape(-1)[rng.permutation(64)].reshape(16, 4)
+    assert spread < 0.5 * (shuffled.max(1) - shuffled.min(1)).mean()  # less padding
