@@ -35,7 +35,12 @@ from mlx.utils import tree_map
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.llama import MLP, Attention, ModelArgs
 
-from mlxspec.errors import CorruptModelError, TokenizerMismatchError, UnsupportedModelError
+from mlxspec.errors import (
+    CorruptModelError,
+    ModelNotFoundError,
+    TokenizerMismatchError,
+    UnsupportedModelError,
+)
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -283,7 +288,12 @@ def load_head(spec: str | Path, model: nn.Module, tokenizer: Any) -> Eagle3Head:
     from mlxspec.load import resolve_model_path
     from mlxspec.speculative.tokenizers import check_same_tokenizer, tokenizer_fingerprint
 
-    directory = resolve_model_path(str(spec))
+    try:
+        directory = resolve_model_path(str(spec))
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(
+            f"no draft head at {spec}: give a head's directory or Hub id, 'auto', 'mtp' or "
+            "'none' (--draft)") from e
     try:
         raw = json.loads((directory / CONFIG).read_text())
     except (OSError, ValueError) as e:

@@ -19,7 +19,12 @@ from speculative_helpers import plain_tokens, record_proposals, spec_tokens
 from test_speculative_sampling import BIAS, PENALTY, PROMPT, SAMPLING, exact_joint
 
 from mlxspec.cache import make_cache
-from mlxspec.errors import CorruptModelError, TokenizerMismatchError, UnsupportedModelError
+from mlxspec.errors import (
+    CorruptModelError,
+    ModelNotFoundError,
+    TokenizerMismatchError,
+    UnsupportedModelError,
+)
 from mlxspec.speculative import SpecStats, speculative_generate_step
 from mlxspec.speculative.eagle3 import load_head
 from mlxspec.speculative.feature import FeatureDrafter, tapped_forward
@@ -168,6 +173,13 @@ def test_a_damaged_head_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(CorruptModelError) as caught:
         load_head(tmp_path / "head", model, ToyTokenizer(64))
     assert "\n" not in str(caught.value)
+
+
+def test_a_missing_head_is_one_error_line_naming_the_choices(tmp_path):
+    model = tiny_llama(0, layers=LAYERS, vocab=64, hidden=HIDDEN)
+    with pytest.raises(ModelNotFoundError) as caught:
+        load_head(tmp_path / "no-such-head", model, ToyTokenizer(64))
+    assert "\n" not in str(caught.value) and "'auto'" in str(caught.value)
 
 
 def _drafter(tmp_path, model, vocab, draft_ids):
