@@ -52,6 +52,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     from mlxspec.distributed import group_report, load_sharded
     from mlxspec.generate import stream_generate
     from mlxspec.grammar import read_json_schema, schema_processor
+    from mlxspec.quant.kernels import EMULATED, emulating
 
     prompt = read_text(sys.stdin.buffer.read(), "standard input") if prompt == "-" else prompt
     check_text(prompt, "--prompt")
@@ -82,6 +83,8 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     nbytes = model_bytes(nn_model)
     if as_json:
         result = last.as_dict(text, nbytes)
+        if emulating():  # MLXSPEC_KERNELS=emulate: none of these speeds is a Metal one
+            result["kernels"] = EMULATED
         if shard is not None:
             result["group"] = {**group_report(), "layout": nn_model.shard_layout}
         click.echo(json.dumps(result, indent=2))

@@ -126,7 +126,9 @@ def test_emulated_generate_gives_the_fallbacks_greedy_text(zp_model_dir, monkeyp
                                           "--no-chat-template", "--temp", "0", "--max-tokens",
                                           "8", "--json"])
         assert result.exit_code == 0, result.output
-        texts[path] = json.loads(result.stdout[result.stdout.index("{"):])["text"]
+        report = json.loads(result.stdout[result.stdout.index("{"):])
+        texts[path] = report["text"]
         assert bool(launched) == (path == "emulate")  # the fallback launches no kernel
+        assert (report.get("kernels") == kernels.EMULATED) == (path == "emulate")  # says so
     assert texts["emulate"] == texts["mlx"] and len(texts["mlx"]) > 0
     assert "zp_qmv" in launched  # decoding went through the decode kernel
