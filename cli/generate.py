@@ -49,7 +49,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
     """
     from mlxspec.benchmark import model_bytes
     from mlxspec.chat import chat_prompt
-    from mlxspec.distributed import group_report, load_sharded
+    from mlxspec.distributed import agreed_decoding, group_report, load_sharded
     from mlxspec.generate import stream_generate
     from mlxspec.grammar import read_json_schema, schema_processor
     from mlxspec.quant.kernels import EMULATED, emulating
@@ -60,6 +60,8 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
         check_text(system, "--system")
     schema = read_json_schema(json_schema) if json_schema is not None else None
     nn_model, tokenizer = load_sharded(model, shard)
+    if shard is not None:  # every rank decodes alike: a fixed draft length, rank 0's seed
+        num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
     processors = [schema_processor(tokenizer, schema)] if json_schema is not None else None
     draft, draft_tokenizer = load_draft(draft_model)
     if tokenizer.chat_template and not no_chat_template:

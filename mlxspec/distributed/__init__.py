@@ -8,8 +8,10 @@ answering. See docs/distributed.md.
 """
 
 from mlxspec.distributed.group import (
+    SHARDED_DRAFT_TOKENS,
     DistributedError,
     Watchdog,
+    agreed_decoding,
     barrier,
     group_report,
     init_group,
@@ -19,9 +21,11 @@ from mlxspec.distributed.group import (
 from mlxspec.distributed.shard import SHARD_MODES, load_sharded, shard_model
 
 __all__ = [
+    "SHARDED_DRAFT_TOKENS",
     "SHARD_MODES",
     "DistributedError",
     "Watchdog",
+    "agreed_decoding",
     "barrier",
     "group_report",
     "init_group",

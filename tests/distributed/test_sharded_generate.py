@@ -1,0 +1,53 @@
+"""A target sharded over two real ring processes on loopback (``--shard tensor``): the same greedy
+text as one process, plain and speculative (prompt lookup, drafted on every rank alike); and a
+rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero exit, not a hang.
+
+Each case is one short run of the default model (a few tokens): the ring's two processes share
+this machine's cores with everything else, so every wait is bounded and no rank outlives a test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from ring import json_of, one_process, ring
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 240  # s for one two-rank run on a loaded 2-core host (about 30 s idle)
+EDIT = ("Rename the variable x to total in this code:\n"
+        "def f(x):\n    x = x + 1\n    return x * 2\n")
+
+
+@pytest.mark.parametrize("drafting", [["--draft", "none"], ["--prompt-lookup"]],
+                         ids=["plain", "prompt lookup"])
+def test_tensor_parallel_greedy_text_equals_one_process(tmp_path, drafting):
+    args = ["generate", "-p", EDIT, "--temp", "0", "--max-tokens", "12", "--json", *drafting]
+    want = one_process(args)
+    assert want.returncode == 0, want.stderr
+    with ring([*args, "--shard", "tensor"], tmp_path) as (rank0, rank1):
+        out, err = rank0.communicate(timeout=TIMEOUT)
+        follower, _ = rank1.communicate(timeout=30)
+    assert rank0.returncode == 0 and rank1.returncode == 0, err
+    got = json_of(out)
+    assert got["text"] == json_of(want.stdout)["text"] and got["generation_tokens"] == 12
+    assert got["group"] == {"backend": "ring", "world_size": 2, "rank": 0, "layout": "tensor: mlp"}
+    assert follower == ""  # rank 0 alone prints
+    if "--prompt-lookup" in drafting:
+        assert got["speculative"]["drafter"] == "prompt lookup"
+        assert got["speculative"]["mean_k"] > 0  # it drafted: one pass verified several tokens
+
+
+def test_a_rank_killed_mid_generation_ends_rank_0_with_one_error_line(tmp_path):
+    args = ["generate", "-p", "Tell me a long story about a dragon.", "--temp", "0",
+            "--max-tokens", "400", "--draft", "none", "--shard", "tensor"]
+    with ring(args, tmp_path, MLXSPEC_SHARD_TIMEOUT="20") as (rank0, rank1):
+        deadline = time.monotonic() + TIMEOUT
+        first = rank0.stdout.read(1)  # rank 0 streams the text: generation has started
+        assert first, rank0.stderr.read()
+        rank1.kill()
+        out, err = rank0.communicate(timeout=max(deadline - time.monotonic(), 60))
+    assert rank0.returncode not in (0, None)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank" in errors[0], err
+    assert "Traceback" not in err
