@@ -4,6 +4,7 @@ BLAS, kernel path, default model. ``mlxspec doctor`` prints it; bug reports shou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -85,15 +86,19 @@ def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> 
     from mlxspec.load import load
     from mlxspec.quant.kernel_timing import TOLERANCE, relative_error
 
-    if model is None:
-        model, tokenizer = load()
-    tokens = tokens or (16 if mx.metal.is_available() else 4)
-    half = getattr(mx, ARCHITECTURES["llama"].metal_dtype)
-    model.set_dtype(half)  # a no-op for a Metal conversion (already half)
-    prompt = tokenizer.encode(DTYPE_CHECK_PROMPT)
-    got = _greedy_timed(model, prompt, tokens)
-    model.set_dtype(mx.float32)  # exact: the same numbers, computed in float32
-    want = _greedy_timed(model, prompt, tokens)
+    metal = mx.metal.is_available()
+    # On a CPU the check is about dtypes, not kernels: MLX's own products even under
+    # MLXSPEC_KERNELS=emulate (emulating the 49152-row head takes seconds per token).
+    with _environment({} if metal else {"MLXSPEC_KERNELS": "mlx"}):
+        if model is None:
+            model, tokenizer = load()
+        tokens = tokens or (16 if metal else 4)
+        half = getattr(mx, ARCHITECTURES["llama"].metal_dtype)
+        _cast(model, half)  # a no-op for a Metal conversion (already half)
+        prompt = tokenizer.encode(DTYPE_CHECK_PROMPT)
+        got = _greedy_timed(model, prompt, tokens)
+        _cast(model, mx.float32)  # exact: the same numbers, computed in float32
+        want = _greedy_timed(model, prompt, tokens)
     pairs = zip(got["tokens"], want["tokens"], strict=True)
     agree = next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)
     error = relative_error(got["logits"], want["logits"])
@@ -107,10 +112,36 @@ def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> 
         "ok": bool(got["dtype"] == str(half).split(".")[-1] and got["finite"] and agree >= 1
                    and error <= TOLERANCE[half] * 5),  # a whole forward, not one product
     }
-    if not mx.metal.is_available():
+    if not metal:
         report["note"] = ("a CPU: the float32 conversion cast down, quality only; the times are "
                           "not a GPU's")
     return report
+
+
+def _cast(model, dtype) -> None:
+    """Every floating-point parameter to ``dtype``, and the rows zero-point embeddings return
+    (an attribute, which ``set_dtype`` does not reach)."""
+    from mlxspec.quant.layers import ZeroPointEmbedding
+
+    model.set_dtype(dtype)
+    for module in model.modules():
+        if isinstance(module, ZeroPointEmbedding):
+            module.dtype = dtype
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Within the block, these environment variables have these values."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _greedy_timed(model, prompt: list[int], tokens: int) -> dict:
