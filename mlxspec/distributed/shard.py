@@ -9,7 +9,6 @@ whole on every rank and splits only the MLP (one all-reduce per layer instead of
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -55,8 +54,9 @@ class PipelineLlamaModel(PipelineMixin, llama.LlamaModel):
     """``llama.LlamaModel`` whose ranks each run a slice of the layers (mlx-lm's ``PipelineMixin``
     split: the last rank takes the first layers). Each stage ends in an all-sum to which only its
     owner contributes (the others add zeros, so the sum is exact): every rank then holds the
-    stage's hidden state (batch, seq, hidden). Only all-sums, no send/recv: on the CPU ring the
-    send/recv form of mlx-lm's ``deepseek_v3`` hung now and then under the decode loop."""
+    stage's hidden state (batch, seq, hidden). Only all-sums, no send/recv; each rank's sums
+    are chained (a non-owner's zeros depend on the previous sum), so every rank runs them in the
+    same order."""
 
     def __call__(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
@@ -68,7 +68,10 @@ class PipelineLlamaModel(PipelineMixin, llama.LlamaModel):
             if stage == rank:
                 for layer, c in zip(self.pipeline_layers, cache, strict=True):
                     h = layer(h, mask, cache=c)
-            h = mx.distributed.all_sum(h if stage == rank else mx.zeros_like(h))
+            # The zeros depend on h, the previous stage's sum: without it nothing orders a
+            # rank's all-sums of zeros after its earlier ones, the ranks could pair different
+            # stages' sums, and the group hung or computed garbage.
+            h = mx.distributed.all_sum(h if stage == rank else mx.depends(mx.zeros_like(h), h))
         if cache[-1] is not None:
             # Every rank evaluates every stage's all-sum whenever it evaluates its caches
             # (prefill) or the logits: a collective one rank skipped would block the other.
@@ -120,9 +123,6 @@ def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> str
     """Shard ``model`` in place in ``mode`` ("tensor" or "pipeline"); returns its layout."""
     if mode not in SHARD_MODES:
         raise DistributedError(f"--shard {mode}: use one of {', '.join(SHARD_MODES)}")
-    if mode == "pipeline" and not os.environ.get("MLXSPEC_EXPERIMENTAL_PIPELINE"):
-        # The pipelined decode loop still hangs now and then on the CPU ring (docs/distributed.md).
-        raise DistributedError("--shard pipeline is not reliable yet: use --shard tensor")
     layout = (shard_tensor if mode == "tensor" else shard_pipeline)(model, group)
     mx.eval(model.parameters())
     return layout

@@ -1,6 +1,7 @@
-"""A target sharded over two real ring processes on loopback (``--shard tensor``): the same greedy
-text as one process, plain and speculative (prompt lookup, drafted on every rank alike); and a
-rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero exit, not a hang.
+"""A target sharded over two real ring processes on loopback (``--shard tensor|pipeline``): the
+same greedy text as one process, plain and speculative (prompt lookup, drafted on every rank
+alike); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero
+exit, not a hang.
 
 Each case is one short run of the default model (a few tokens): the ring's two processes share
 this machine's cores with everything else, so every wait is bounded and no rank outlives a test.
@@ -19,19 +20,33 @@ EDIT = ("Rename the variable x to total in this code:\n"
         "def f(x):\n    x = x + 1\n    return x * 2\n")
 
 
+LAYOUTS = {"tensor": "tensor: mlp", "pipeline": "pipeline: layers 15-29 of 30"}
+_REFERENCE: dict[str, str] = {}
+
+
+def one_process_text(args: list[str]) -> str:
+    """The one-process greedy text (once per argument list: plain and speculative agree)."""
+    key = " ".join(args)
+    if key not in _REFERENCE:
+        want = one_process(args)
+        assert want.returncode == 0, want.stderr
+        _REFERENCE[key] = json_of(want.stdout)["text"]
+    return _REFERENCE[key]
+
+
 @pytest.mark.parametrize("drafting", [["--draft", "none"], ["--prompt-lookup"]],
                          ids=["plain", "prompt lookup"])
-def test_tensor_parallel_greedy_text_equals_one_process(tmp_path, drafting):
+@pytest.mark.parametrize("shard", ["tensor", "pipeline"])
+def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
     args = ["generate", "-p", EDIT, "--temp", "0", "--max-tokens", "12", "--json", *drafting]
-    want = one_process(args)
-    assert want.returncode == 0, want.stderr
-    with ring([*args, "--shard", "tensor"], tmp_path) as (rank0, rank1):
+    want = one_process_text(args)
+    with ring([*args, "--shard", shard], tmp_path) as (rank0, rank1):
         out, err = rank0.communicate(timeout=TIMEOUT)
         follower, _ = rank1.communicate(timeout=30)
     assert rank0.returncode == 0 and rank1.returncode == 0, err
     got = json_of(out)
-    assert got["text"] == json_of(want.stdout)["text"] and got["generation_tokens"] == 12
-    assert got["group"] == {"backend": "ring", "world_size": 2, "rank": 0, "layout": "tensor: mlp"}
+    assert got["text"] == want and got["generation_tokens"] == 12
+    assert got["group"] == {"backend": "ring", "world_size": 2, "rank": 0, "layout": LAYOUTS[shard]}
     assert follower == ""  # rank 0 alone prints
     if "--prompt-lookup" in drafting:
         assert got["speculative"]["drafter"] == "prompt lookup"
