@@ -5,7 +5,9 @@
     mlxspec 4-bit       the same weights through mlxspec's packed-weight kernel (the default now)
     mlxspec 8-bit       the float32 weights requantized by MLX (nn.quantize, 8 bits, group 32),
                         through the kernel
-    llama.cpp           llama-cpp-python on the very same GGUF file
+    ..., int8 x         the same with int8 activations (MLXSPEC_CPU_QMM_ACTIVATIONS=int8, VNNI)
+    llama.cpp           llama-cpp-python on the very same GGUF file, 2 threads and 1 thread
+                        (mlxspec 4-bit also once with 1 thread)
 
 Each row runs in a process of its own (resident memory is the process's), 2 threads, the same
 prompt token ids, greedy; rows alternate over ``--rounds`` rounds and medians are reported:
@@ -19,9 +21,14 @@ of the measured read bandwidth, and resident memory after decoding. JSON into
 llama.cpp's row needs a separate benchmark-only environment (never a test or project
 dependency; builds llama.cpp from source, ~6-15 min):
 
-    python3 -m venv /work/benchenv && nice -n 19 /work/benchenv/bin/pip install llama-cpp-python
+    python3 -m venv /work/llamacpp-env && nice -n 19 /work/llamacpp-env/bin/pip install llama-cpp-python
 
-Without ``/work/benchenv/bin/python`` (or ``--llama-python``) the row is skipped with a note.
+Without ``/work/llamacpp-env/bin/python`` (or ``--llama-python``) the row is skipped with a note.
+
+Accuracy, beside the speed: each mlxspec row's logits over ``ACCURACY_TOKENS`` tokens of the
+long prompt, fed ``ACCURACY_CHUNK`` at a time (the path decoding and verification take), against
+the float64 model (the GGUF dequantized, every parameter and every operation in float64): the
+largest error over the logits' spread, and how often the argmax is the float64 model's.
 """
 
 # ruff: noqa: I001  (mlxspec is imported before mlx.core: it must load the optimized BLAS first)
@@ -31,21 +38,34 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 RESULTS = Path(__file__).parent / "results" / "decode.json"
-LLAMA_PYTHON = Path("/work/benchenv/bin/python")
+LLAMA_PYTHON = Path("/work/llamacpp-env/bin/python")
 THREADS = 2
+INT8 = "MLXSPEC_CPU_QMM_ACTIVATIONS"
+# llama.cpp's threads meet at a spinning barrier after every op: on a shared 2-core machine one
+# preempted thread stalls the other, so its 1-thread run is recorded beside the 2-thread one
+LLAMA_ROWS = {"llama.cpp": THREADS, "llama.cpp, 1 thread": 1}
 ROWS = {  # name -> environment of its process
     "float32 + BLAS": {"MLXSPEC_CPU_QMM": "0", "MLXSPEC_GGUF_WEIGHTS": "dense"},
     "mlx quantized_matmul": {"MLXSPEC_CPU_QMM": "0", "MLXSPEC_GGUF_WEIGHTS": "quantized",
                              "MLXSPEC_ZP_CPU": "quantized"},
-    "mlxspec 4-bit": {},
+    "mlxspec 4-bit": {"MLXSPEC_GGUF_WEIGHTS": "quantized"},
+    "mlxspec 4-bit, int8 x": {"MLXSPEC_GGUF_WEIGHTS": "quantized", INT8: "int8"},
+    "mlxspec 4-bit, 1 thread": {"MLXSPEC_GGUF_WEIGHTS": "quantized", "OPENBLAS_NUM_THREADS": "1"},
     "mlxspec 8-bit": {"MLXSPEC_GGUF_WEIGHTS": "dense", "BENCH_REQUANTIZE_BITS": "8"},
+    "mlxspec 8-bit, int8 x": {"MLXSPEC_GGUF_WEIGHTS": "dense", "BENCH_REQUANTIZE_BITS": "8",
+                              INT8: "int8"},
 }
+ACCURACY_TOKENS, ACCURACY_CHUNK = 96, 16  # teacher-forced, 16 rows a forward: the kernel's path
 
 
 def rss_mb() -> float:
@@ -56,8 +76,10 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int) -> dict:
-    """One row in this process, configured by its environment (``ROWS``)."""
+def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int,
+                accuracy_file: str) -> dict:
+    """One row in this process, configured by its environment (``ROWS``); its chunked logits
+    (:func:`chunked_logits`) into ``accuracy_file``."""
     import mlxspec
     import mlx.core as mx
     import mlx.nn as nn
@@ -83,44 +105,97 @@ def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int) -> dict
     prefill_s = min(prefill() for _ in range(3))
     run = list(stream_generate(model, tokenizer, prompt_ids, max_tokens=8))  # warm-up
     run = list(stream_generate(model, tokenizer, prompt_ids, max_tokens=tokens))
+    np.save(accuracy_file, chunked_logits(model, long_ids[:ACCURACY_TOKENS]))
     return {"decode_tps": run[-1].generation_tps, "decoded": run[-1].generation_tokens,
             "prefill_tps": len(long_ids) / prefill_s, "bytes_per_token": model_bytes(model),
             "rss_mb": rss_mb(), "tokens": [r.token for r in run[:24]],
             "quantized_products": cpu.report(measure=False)["quantized_products"]}
 
 
+def chunked_logits(model, ids: list[int]) -> np.ndarray:
+    """Logits (len(ids), vocabulary) float64 of ``model`` fed ``ACCURACY_CHUNK`` tokens a forward."""
+    import mlx.core as mx
+    from mlxspec.cache import make_cache
+
+    cache, out = make_cache(model), []
+    for i in range(0, len(ids), ACCURACY_CHUNK):
+        logits = model(mx.array([ids[i:i + ACCURACY_CHUNK]]), cache=cache)[0]
+        out.append(np.array(logits.astype(mx.float32)).astype(np.float64))
+    return np.concatenate(out)
+
+
+def float64_logits(ids: list[int]) -> np.ndarray:
+    """The float64 model's logits on ``ids``: the GGUF dequantized (float32 numbers, exact in
+    float64), every parameter cast to float64 and run on MLX's CPU in float64."""
+    import mlx.core as mx
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlxspec.gguf import tensors
+    from mlxspec.load import resolve_model_path
+
+    with tensors.dense_conversion():
+        model, _ = mlx_lm_load(str(resolve_model_path(None)))
+    model.set_dtype(mx.float64)
+    return chunked_logits(model, ids)
+
+
+def accuracy(logits: np.ndarray, reference: np.ndarray) -> dict:
+    error = np.abs(logits - reference)
+    return {"max_error_over_std": float(error.max() / reference.std()),
+            "mean_error_over_std": float(error.mean() / reference.std()),
+            "argmax_agreement": float((logits.argmax(-1) == reference.argmax(-1)).mean())}
+
+
 LLAMA_ROW = r"""
 import json, sys, time
 from pathlib import Path
-import numpy as np
+import llama_cpp.llama_cpp as C
 from llama_cpp import Llama, __version__
 args = json.loads(sys.argv[1])
-llm = Llama(args["model"], n_ctx=2048, n_threads=args["threads"], n_threads_batch=args["threads"],
-            n_batch=512, verbose=False)
-def prefill():
+# llama-cpp-python 0.3.36 built here segfaults in llama_decode on any batch of more than one token
+# with its extra weight buffers (AMX/repacked, on by default on this CPU; one token at a time
+# works). Decoding therefore runs the default build fed one token a time (n_batch 1: the prompt
+# too); prefill runs a second instance without the extra buffers (use_extra_bufts off).
+def model(extra_buffers, n_batch):
+    default = C.llama_model_default_params
+    def params():
+        p = default()
+        p.use_extra_bufts = extra_buffers
+        return p
+    C.llama_model_default_params = params
+    try:
+        return Llama(args["model"], n_ctx=2048, n_threads=args["threads"],
+                     n_threads_batch=args["threads"], n_batch=n_batch, verbose=False)
+    finally:
+        C.llama_model_default_params = default
+def first_token(llm, ids):  # greedy (temp 0) through Llama.generate: it sets the sampler
     llm.reset()
+    return llm.generate(ids, temp=0.0, top_k=1, reset=True)
+llm = model(False, 512)
+def prefill():
     tic = time.perf_counter()
-    llm.eval(args["long"])
+    next(first_token(llm, args["long"]))
     return time.perf_counter() - tic
 prefill()
 prefill_s = min(prefill() for _ in range(3))
+del llm
+llm = model(True, 1)
 def decode(n):
-    llm.reset()
-    llm.eval(args["prompt"])
-    out = []
+    stream, out = first_token(llm, args["prompt"]), []
+    out.append(next(stream))
     tic = time.perf_counter()
-    for _ in range(n):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out, time.perf_counter() - tic
+    for token in stream:
+        out.append(token)
+        if len(out) == n + 1:
+            break
+    return out, time.perf_counter() - tic  # n tokens timed after the first
 decode(8)
 out, seconds = decode(args["tokens"])
 rss = next(int(l.split()[1]) / 1024 for l in Path("/proc/self/status").read_text().splitlines()
            if l.startswith("VmRSS:"))
-print(json.dumps({"decode_tps": len(out) / seconds, "decoded": len(out),
+print(json.dumps({"decode_tps": (len(out) - 1) / seconds, "decoded": len(out) - 1,
                   "prefill_tps": len(args["long"]) / prefill_s,
                   "bytes_per_token": Path(args["model"]).stat().st_size, "rss_mb": rss,
-                  "tokens": out[:24], "version": __version__}))
+                  "tokens": out[:24], "version": __version__, "threads": args["threads"]}))
 """
 
 
@@ -130,10 +205,14 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return {**env, "OPENBLAS_NUM_THREADS": str(THREADS), **extra}
 
 
-def run_row(name: str, args, prompt_ids: list[int], long_ids: list[int], model: Path) -> dict:
-    payload = {"prompt": prompt_ids, "long": long_ids, "tokens": args.tokens}
-    if name == "llama.cpp":
-        payload.update(model=str(model), threads=THREADS)
+def run_row(name: str, args, prompt_ids: list[int], long_ids: list[int], model: Path,
+            reference: np.ndarray) -> dict:
+    work = tempfile.mkdtemp(prefix="bench-decode-")
+    accuracy_file = str(Path(work) / "logits.npy")
+    payload = {"prompt": prompt_ids, "long": long_ids, "tokens": args.tokens,
+               "accuracy_file": accuracy_file}
+    if name.startswith("llama.cpp"):
+        payload.update(model=str(model), threads=LLAMA_ROWS[name])
         command = [str(args.llama_python), "-c", LLAMA_ROW, json.dumps(payload)]
         env = child_env({})
     else:
@@ -143,6 +222,9 @@ def run_row(name: str, args, prompt_ids: list[int], long_ids: list[int], model: 
     if result.returncode != 0:
         raise RuntimeError(f"the {name!r} row failed: {result.stderr.strip()[-600:]}")
     row = json.loads(result.stdout.strip().splitlines()[-1])
+    if Path(accuracy_file).is_file():
+        row["accuracy"] = accuracy(np.load(accuracy_file), reference)
+    shutil.rmtree(work, ignore_errors=True)
     print(f"  decode {row['decode_tps']:.1f} tok/s, prefill {row['prefill_tps']:.1f} tok/s, "
           f"RSS {row['rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     return row
@@ -152,6 +234,8 @@ def summary(runs: list[dict], bandwidth: float) -> dict:
     row = {k: statistics.median(r[k] for r in runs)
            for k in ("decode_tps", "prefill_tps", "rss_mb")}
     row["bytes_per_token"] = runs[0]["bytes_per_token"]
+    if "accuracy" in runs[0]:
+        row["accuracy"] = runs[0]["accuracy"]
     row["achieved_gbs"] = row["bytes_per_token"] * row["decode_tps"] / 1e9
     row["roofline"] = row["achieved_gbs"] / bandwidth
     row["runs"] = runs
@@ -169,7 +253,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         payload = json.loads(args.child)
-        print(json.dumps(mlxspec_row(payload["prompt"], payload["long"], payload["tokens"])))
+        print(json.dumps(mlxspec_row(payload["prompt"], payload["long"], payload["tokens"],
+                                     payload["accuracy_file"])))
         return
 
     import mlxspec  # noqa: F401  (the BLAS set-up)
@@ -185,16 +270,18 @@ def main() -> None:
     names = list(ROWS)
     notes = []
     if args.llama_python.is_file():
-        names.append("llama.cpp")
+        names += list(LLAMA_ROWS)
     else:
         notes.append(f"llama.cpp skipped: no {args.llama_python} (see this script's docstring)")
     bandwidth = read_bandwidth()
+    reference = float64_logits(long_ids[:ACCURACY_TOKENS])
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(args.rounds):
         for name in names:
             print(f"round {i + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             try:
-                runs[name].append(run_row(name, args, prompt_ids, long_ids, default_model_path()))
+                runs[name].append(run_row(name, args, prompt_ids, long_ids, default_model_path(),
+                                          reference))
             except RuntimeError as e:  # one row's failure is a note, not the whole run lost
                 notes.append(str(e))
     rows = {name: summary(r, bandwidth) for name, r in runs.items() if r}
@@ -202,8 +289,9 @@ def main() -> None:
     for row in rows.values():
         row["decode_vs_float32"] = row["decode_tps"] / base["decode_tps"]
         row["prefill_vs_float32"] = row["prefill_tps"] / base["prefill_tps"]
-        if "llama.cpp" in rows:
-            row["decode_vs_llama_cpp"] = row["decode_tps"] / rows["llama.cpp"]["decode_tps"]
+        llama = [rows[n]["decode_tps"] for n in LLAMA_ROWS if n in rows]
+        if llama:  # against llama.cpp's faster thread count in this run
+            row["decode_vs_llama_cpp"] = row["decode_tps"] / max(llama)
     result = {
         "benchmark": "decode", "model": str(default_model_path().name), "threads": THREADS,
         "prompt_tokens": len(prompt_ids), "decode_tokens": args.tokens,
@@ -215,10 +303,14 @@ def main() -> None:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(args.out)
-    print(f"{'':22} {'decode':>8} {'prefill':>8} {'MB/token':>9} {'GB/s':>6} {'RSS MB':>7}")
+    print(f"{'':22} {'decode':>8} {'prefill':>8} {'MB/token':>9} {'GB/s':>6} {'RSS MB':>7} "
+          f"{'max err/std':>11} {'argmax':>6}")
     for name, row in rows.items():
+        acc = row.get("accuracy", {})
         print(f"{name:22} {row['decode_tps']:8.1f} {row['prefill_tps']:8.1f} "
-              f"{row['bytes_per_token'] / 1e6:9.0f} {row['achieved_gbs']:6.1f} {row['rss_mb']:7.0f}")
+              f"{row['bytes_per_token'] / 1e6:9.0f} {row['achieved_gbs']:6.1f} {row['rss_mb']:7.0f} "
+              f"{acc.get('max_error_over_std', float('nan')):11.2e} "
+              f"{acc.get('argmax_agreement', float('nan')):6.3f}")
     for note in notes:
         print(note)
 
