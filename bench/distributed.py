@@ -1,0 +1,180 @@
+"""A sharded target over two ring processes on loopback: tokens/s and collective rounds per token.
+
+    python bench/distributed.py [--max-tokens 64] [--out bench/results/distributed.json]
+
+In one run, on the default model (SmolLM2-135M) and an editing prompt (rename a variable in a
+function: the answer copies most of the prompt, where prompt lookup drafts well):
+
+    one process   plain, and speculative (prompt lookup)
+    tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same two
+    pipeline-2    the same with ``--shard pipeline``
+
+Each row records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
+collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
+when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
+pipeline: one all-sum per stage) times passes per token. Speculation verifies several tokens per
+pass, so it divides the rounds per token by its tokens per pass.
+
+What loopback cannot show is a real network's latency. The run measures one round on loopback
+(an all-sum of one hidden row, median of many) and models each row on 1 GbE, 10 GbE and a
+Thunderbolt bridge: seconds per token = measured seconds per token + rounds per token x (round
+cost on that link - round cost measured on loopback). The links' latencies and bandwidths are
+typical values, assumed, not measured here (``LINKS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MLXSPEC = str(Path(sys.executable).with_name("mlxspec"))
+LAUNCH = str(Path(sys.executable).with_name("mlx.launch"))
+PROMPT = """Rewrite this function with the variable `data` renamed to `records`:
+
+def summarize(data):
+    total = 0
+    count = 0
+    for item in data:
+        if item is None:
+            continue
+        total += item
+        count += 1
+    mean = total / count if count else 0.0
+    return {"total": total, "count": count, "mean": mean, "items": len(data)}
+"""
+HIDDEN, LAYERS = 576, 30  # SmolLM2-135M
+# one-way latency (s) and bandwidth (bytes/s) per link: typical values, assumed
+LINKS = {"1 GbE": (50e-6, 117e6), "10 GbE": (15e-6, 1.17e9), "Thunderbolt bridge": (8e-6, 2.5e9)}
+ROUND_PROBE = """
+import time, mlx.core as mx
+g = mx.distributed.init()
+x = mx.ones((1, HIDDEN))
+for _ in range(20): mx.eval(mx.distributed.all_sum(x))
+times = []
+for _ in range(300):
+    t = time.perf_counter(); mx.eval(mx.distributed.all_sum(x)); times.append(time.perf_counter() - t)
+times.sort()
+if g.rank() == 0: print(times[len(times) // 2])
+""".replace("HIDDEN", str(HIDDEN))
+
+
+def run(args: list[str], shard: str | None, timeout: float = 600) -> dict:
+    """``mlxspec generate`` as one process, or on two ring ranks; rank 0's JSON."""
+    command = [MLXSPEC, *args] if shard is None else [
+        LAUNCH, "--backend", "ring", "-n", "2", "--", MLXSPEC, *args, "--shard", shard]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    start = done.stdout.find("{")
+    if start < 0:  # mlx.launch exits 0 even when a rank failed: the output says whether it ran
+        raise SystemExit(f"error: {shard or 'one process'} run failed: {done.stderr[-500:]}")
+    return json.loads(done.stdout[start:])
+
+
+def rounds_per_pass(result: dict) -> int:
+    layout = result.get("group", {}).get("layout", "")
+    if layout.startswith("tensor"):
+        return LAYERS * (2 if "heads" in layout else 1)
+    if layout.startswith("pipeline"):
+        return result["group"]["world_size"]
+    return 0
+
+
+def row(name: str, result: dict) -> dict:
+    tokens = result["generation_tokens"]
+    spec = result.get("speculative") or {}
+    passes = spec.get("target_passes", tokens)
+    rounds = rounds_per_pass(result) * passes / tokens
+    return {"config": name, "text_matches": None, "tokens": tokens,
+            "tokens_per_second": round(result["generation_tps"], 2), "target_passes": passes,
+            "tokens_per_pass": round(tokens / passes, 2),
+            "rounds_per_token": round(rounds, 2),
+            "rows_per_pass": round(tokens / passes + 1, 2) if spec else 1}
+
+
+def round_seconds() -> float:
+    """Median seconds of one all-sum of a hidden row over two ring ranks on loopback."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(ROUND_PROBE)
+    try:
+        done = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--", sys.executable,
+                               f.name], capture_output=True, text=True, timeout=300)
+        return float(done.stdout.split()[-1])
+    finally:
+        os.unlink(f.name)
+
+
+def modelled(rows: list[dict], loopback_round: float) -> dict:
+    """tokens/s of each sharded row on each link (see the module docstring)."""
+    out = {}
+    for link, (latency, bandwidth) in LINKS.items():
+        per_link = {}
+        for r in rows:
+            if r["rounds_per_token"] == 0:
+                continue
+            payload = r["rows_per_pass"] * HIDDEN * 4  # float32 activations per round
+            cost = 2 * latency + payload / bandwidth  # both directions of a 2-rank exchange
+            seconds = 1 / r["tokens_per_second"] + r["rounds_per_token"] * max(
+                cost - loopback_round, 0.0)
+            per_link[r["config"]] = round(1 / seconds, 2)
+        out[link] = per_link
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "distributed.json"))
+    opts = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from mlxspec.cpu import cpu_model
+
+    base = ["generate", "-p", PROMPT, "--temp", "0", "--max-tokens", str(opts.max_tokens),
+            "--json"]
+    drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"]}
+    rows, texts = [], {}
+    for shard in (None, "tensor", "pipeline"):
+        for kind, extra in drafting.items():
+            name = f"{shard or 'one process'}-2 {kind}".replace("one process-2", "one process")
+            tic = time.perf_counter()
+            result = run([*base, *extra], shard)
+            r = row(name, result)
+            r["wall_seconds"] = round(time.perf_counter() - tic, 1)
+            texts[name] = result["text"]
+            r["text_matches"] = result["text"] == texts["one process plain"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    loopback = round_seconds()
+    by_name = {r["config"]: r for r in rows}
+    ratios = {shard: round(by_name[f"{shard}-2 prompt lookup"]["tokens_per_second"]
+                           / by_name[f"{shard}-2 plain"]["tokens_per_second"], 2)
+              for shard in ("tensor", "pipeline")}
+    report = {
+        "what": __doc__.split("\n\n")[0],
+        "command": "python bench/distributed.py " + " ".join(sys.argv[1:]),
+        "cpu": cpu_model(), "platform": platform.platform(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "model": "SmolLM2-135M-Instruct (the default model, float32 on this CPU)",
+        "rows": rows,
+        "loopback_round_seconds": loopback,
+        "speculative_over_plain": ratios,
+        "goal_speculative_over_plain": 1.3,
+        "modelled_tokens_per_second": modelled(rows, loopback),
+        "links_assumed": {k: {"one_way_latency_us": v[0] * 1e6, "bandwidth_gbs": v[1] / 1e9}
+                          for k, v in LINKS.items()},
+        "runs": "one run per row, in turns in one invocation",
+    }
+    Path(opts.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("speculative_over_plain", "loopback_round_seconds",
+                                             "modelled_tokens_per_second")}, indent=1))
+    print(f"wrote {opts.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
