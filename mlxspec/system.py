@@ -53,6 +53,7 @@ def system_report(measure: bool = True, check_kernels: bool = False) -> dict[str
         report["default_model"] = str(default_model_path())
     except Exception as e:  # noqa: BLE001
         report["default_model"] = f"missing: {e}"
+    report["distributed"] = _group()
     if mx.metal.is_available():
         report["wired_limit"] = wired_limit_check()
     if check_kernels:
@@ -116,6 +117,21 @@ def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> 
         report["note"] = ("a CPU: the float32 conversion cast down, quality only; the times are "
                           "not a GPU's")
     return report
+
+
+def _group() -> dict[str, Any] | str:
+    """The process group when ``mlx.launch`` started this process (backend, world size, rank),
+    else one line saying it runs alone."""
+    if not any(os.environ.get(v) for v in ("MLX_HOSTFILE", "MLX_IBV_DEVICES",
+                                           "OMPI_COMM_WORLD_SIZE")):
+        return "one process (mlx.launch ... mlxspec generate --shard tensor|pipeline: "\
+               "docs/distributed.md)"
+    try:
+        from mlxspec.distributed import group_report
+
+        return group_report()
+    except Exception as e:  # noqa: BLE001  (reported, not raised)
+        return f"unavailable ({str(e).strip().splitlines()[0]})"
 
 
 def _cast(model, dtype) -> None:
