@@ -66,3 +66,17 @@ def test_a_rank_killed_mid_generation_ends_rank_0_with_one_error_line(tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank" in errors[0], err
     assert "Traceback" not in err
+
+
+def test_seeded_sampling_with_a_sharded_target_gives_the_same_text_each_run(tmp_path):
+    args = ["generate", "-p", EDIT, "--temp", "0.8", "--seed", "7", "--max-tokens", "12",
+            "--prompt-lookup", "--json", "--shard", "pipeline"]
+    texts = []
+    for run in range(2):
+        (tmp_path / str(run)).mkdir()
+        with ring(args, tmp_path / str(run)) as (rank0, rank1):
+            out, err = rank0.communicate(timeout=TIMEOUT)
+            rank1.communicate(timeout=30)
+        assert rank0.returncode == 0 and rank1.returncode == 0, err
+        texts.append(json_of(out)["text"])
+    assert texts[0] == texts[1] and texts[0]
