@@ -73,7 +73,7 @@ DTYPE_CHECK_PROMPT = "Explain in two sentences why the sky is blue."
 
 def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> dict:
     """The default model in the dtype a GGUF import gets on Metal
-    (:func:`mlxspec.gguf.convert.conversion_dtype`: float16) against the same weights in float32:
+    (:func:`mlxspec.gguf.dtype.conversion_dtype`: float16) against the same weights in float32:
     the activations' dtype, the prompt logits' error, greedy agreement over ``tokens`` tokens and
     the decode step time of both (``mlxspec doctor --kernels``; what only a Mac can measure).
 
@@ -83,7 +83,7 @@ def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> 
     """
     import mlx.core as mx
 
-    from mlxspec.gguf.convert import ARCHITECTURES
+    from mlxspec.gguf.dtype import METAL_DTYPES
     from mlxspec.load import load
     from mlxspec.quant.kernel_timing import TOLERANCE, relative_error
 
@@ -94,7 +94,7 @@ def model_dtype_check(model=None, tokenizer=None, tokens: int | None = None) -> 
         if model is None:
             model, tokenizer = load()
         tokens = tokens or (16 if metal else 4)
-        half = getattr(mx, ARCHITECTURES["llama"].metal_dtype)
+        half = getattr(mx, METAL_DTYPES["llama"])
         _cast(model, half)  # a no-op for a Metal conversion (already half)
         prompt = tokenizer.encode(DTYPE_CHECK_PROMPT)
         got = _greedy_timed(model, prompt, tokens)
@@ -236,9 +236,9 @@ def write_report(report: dict[str, Any], path: str | Path) -> Path:
 
 def _gguf_dtype() -> str:
     """One line: the dtype GGUF imports are converted to here, per architecture."""
-    from mlxspec.gguf.convert import ARCHITECTURES, DTYPE_ENV, conversion_dtype
+    from mlxspec.gguf.dtype import DTYPE_ENV, METAL_DTYPES, conversion_dtype
 
-    chosen = ", ".join(f"{name} {conversion_dtype(name)}" for name in ARCHITECTURES)
+    chosen = ", ".join(f"{name} {conversion_dtype(name)}" for name in METAL_DTYPES)
     why = (f"{DTYPE_ENV}" if os.environ.get(DTYPE_ENV) else "Metal: half activations where "
            "the GGUF's float16 scales allow" if _metal() else "a CPU: float32 BLAS")
     return f"{chosen} ({why}; doctor --kernels compares float16 with float32)"

@@ -52,6 +52,7 @@ from mlxspec.gguf.checks import (
     positive_number,
     work_dir_prefix,
 )
+from mlxspec.gguf.dtype import DTYPE_ENV, DTYPES, conversion_dtype
 from mlxspec.gguf.reader import GGUFFile, read_gguf
 from mlxspec.gguf.tokenizer import (
     build_tokenizer,
@@ -223,45 +224,12 @@ class Architecture:
     config: Callable[[dict, GGUFFile], dict]
     layer_names: dict[str, str]
     fix_weight: Callable[[str, np.ndarray, dict], np.ndarray]  # (gguf name, weight, config)
-    metal_dtype: str = "float32"  # the conversion dtype on Metal (conversion_dtype)
 
 
 ARCHITECTURES = {
-    "llama": Architecture(_llama_config, _LLAMA_LAYER_NAMES, _llama_weight, "float16"),
+    "llama": Architecture(_llama_config, _LLAMA_LAYER_NAMES, _llama_weight),
     "gemma3": Architecture(_gemma3_config, _GEMMA3_LAYER_NAMES, _gemma3_weight),
 }
-DTYPE_ENV = "MLXSPEC_GGUF_DTYPE"  # overrides conversion_dtype: float32, float16 or bfloat16
-
-
-def conversion_dtype(arch_name: str = "llama") -> str:
-    """The dtype a GGUF import of ``arch_name`` is converted to on this device (matrices and
-    norms alike: MLX computes in the widest dtype an op meets, so one float32 norm would put the
-    whole residual stream back in float32). ``MLXSPEC_GGUF_DTYPE`` overrides it.
-
-    - A CPU: float32 (MLX's CPU products are float32 BLAS; half types only cost conversions).
-    - Metal, llama family (the default model): float16. The imported blocks' scales are the
-      GGUF's own float16 numbers, and ``mx.quantized_matmul`` computes in the common type of x and
-      the scales: float16 activations keep them exact and every product in float16 (half the
-      KV-cache bytes of float32, the GPU's fast path), while bfloat16 activations would promote
-      each product to float32 or need the scales rounded to bfloat16's 8-bit mantissa. Measured
-      on this repository's CPU (quality only): SmolLM2-135M in float16 and in bfloat16 gives the
-      same 48 greedy tokens as float32. ``mlxspec doctor --kernels`` checks it on the Mac (the
-      activations' dtype, greedy agreement with float32, and the decode step time of both).
-    - Metal, gemma3: float32. Gemma's residual stream loses its precision in float16 (measured
-      on Gemma-3-270M: logits 15.7 off a float64 reference), and bfloat16 meets the float16
-      scales as above.
-    """
-    value = os.environ.get(DTYPE_ENV, "").strip().lower()
-    if value:
-        if value not in _SAFETENSORS_DTYPES:
-            raise UnsupportedModelError(
-                f"{DTYPE_ENV}={value!r}: choose float32, float16 or bfloat16")
-        return value
-    if not mx.metal.is_available() or arch_name not in ARCHITECTURES:
-        return "float32"
-    return ARCHITECTURES[arch_name].metal_dtype
-
-
 def save_weights(
     path: Path, gguf: GGUFFile, arch: Architecture, config: dict, dtype: str, progress: bool
 ) -> None:
@@ -291,7 +259,7 @@ def save_weights(
             advance()
 
 
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # for DTYPES
 
 
 def _cast(w: np.ndarray, kind: str) -> np.ndarray:
@@ -345,7 +313,7 @@ def convert_gguf(
         OutputExistsError: ``out_dir`` holds something mlxspec did not create.
         NotWritableError: ``out_dir``'s parent is read-only or full.
     """
-    if dtype is not None and dtype not in _SAFETENSORS_DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise UnsupportedModelError(
             f"dtype {dtype!r} is not supported (float32, float16, bfloat16)"
         )

@@ -377,7 +377,7 @@ def zero_point_from_affine(layer: nn.Module) -> nn.Module | None:
     out_features, in_features = layer.weight.shape[0], layer.weight.shape[1] * 32 // bits
     if isinstance(layer, nn.QuantizedEmbedding):
         # Rows in the scales' dtype, as MLX's QuantizedEmbedding returns them: the model's
-        # activation dtype (float16 for a GGUF import on Metal, gguf.convert.conversion_dtype;
+        # activation dtype (float16 for a GGUF import on Metal, gguf.dtype.conversion_dtype;
         # a float32 import keeps float32 scales on its table, gguf.tensors.STREAM_ENDS).
         new = ZeroPointEmbedding(out_features, in_features, bits=bits, group_size=group_size,
                                  dtype=layer.scales.dtype)

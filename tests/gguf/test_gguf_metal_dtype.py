@@ -14,7 +14,8 @@ from tiny_models import write_tiny_gguf
 
 from mlxspec.errors import UnsupportedModelError
 from mlxspec.gguf import convert
-from mlxspec.gguf.convert import DTYPE_ENV, conversion_dtype, convert_gguf, gguf_cache_key
+from mlxspec.gguf.convert import convert_gguf, gguf_cache_key
+from mlxspec.gguf.dtype import DTYPE_ENV, conversion_dtype
 from mlxspec.load import load
 
 TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0,
