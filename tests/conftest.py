@@ -37,6 +37,7 @@ SLOWEST_FIRST = (
     "test_gguf.py",
     "test_speculative_gemma3.py",
     "test_chat.py",
+    "test_sharded_generate.py",
 )
 
 
