@@ -410,8 +410,9 @@ def test_awq_refuses_a_block_whose_inputs_it_cannot_rescale(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_embedding_tables_get_the_clipping_search_whatever_the_method(tmp_path, method):
-    """No method calibrates an embedding table (its rows are used as stored), so by default it
-    gets the clipping search on its own squared error; an explicit ``grid`` applies to it too."""
+    """An embedding table no method calibrates (its rows are used as stored; a tied table is
+    GPTQ's output head unless ``head_damp=None``) gets the clipping search on its own squared
+    error by default; an explicit ``grid`` applies to it too."""
     from tiny_models import make_tiny_model
 
     from mlxspec.load import load
@@ -424,7 +425,7 @@ def test_embedding_tables_get_the_clipping_search_whatever_the_method(tmp_path, 
         model, _ = load(str(source))
         weight = np.array(model.model.embed_tokens.weight)
         quantize_model(model, bits=4, group_size=32, method=method, grid=grid,
-                       calibration_tokens=tokens)
+                       calibration_tokens=tokens, head_damp=None)
         table = layers.zero_point_modules(model)["model.embed_tokens"]
         q = zp_format.unpack(np.array(table.weight), 4, table.in_features)
         z = zp_format.unpack(np.array(table.zeros), 4, table.in_features // 32)
@@ -434,3 +435,48 @@ def test_embedding_tables_get_the_clipping_search_whatever_the_method(tmp_path, 
     clipped = dense(*rtn.quantize(weight, 4, 32, grid=EMBEDDING_GRID, dtype="float32"), 32)
     plain = dense(*rtn.quantize(weight, 4, 32, grid=1, dtype="float32"), 32)
     assert np.sum((clipped - weight) ** 2) < np.sum((plain - weight) ** 2)
+
+
+def test_gptq_head_is_gptq_on_the_final_norms_outputs_and_lowers_the_head_error(tmp_path):
+    """With ``head_damp`` an untied output head is GPTQ-quantized with the Hessian of the final
+    norm's outputs (the blocks already quantized): the same integers as GPTQ given that Hessian
+    computed independently (mlx-lm's ``model.model`` returns the normed hidden states), a smaller
+    output error on those states than round-to-nearest, and the record names the candidate with
+    the smaller KL on the check windows."""
+    import mlx.nn as nn
+    from tiny_models import make_tiny_model
+
+    from mlxspec.load import load
+    from mlxspec.quant import layers
+    from mlxspec.quant.awq import output_error
+    from mlxspec.quant.quantize import quantize_model
+
+    source = make_tiny_model(tmp_path / "tiny")
+    tokens = [list(range(i, i + 48)) for i in range(0, 192, 48)]
+    heads = {}
+    for head_damp in (None, 0.01):
+        model, _ = load(str(source))
+        vocab, hidden = model.model.embed_tokens.weight.shape  # an untied head of its own
+        model.args.tie_word_embeddings = False
+        model.lm_head = nn.Linear(hidden, vocab, bias=False)
+        model.lm_head.weight = mx.array(np.random.default_rng(0).standard_normal(
+            (vocab, hidden)).astype(np.float32) * 0.05)
+        weight, table = np.array(model.lm_head.weight), np.array(model.model.embed_tokens.weight)
+        _, record = quantize_model(model, bits=4, group_size=32, method="gptq",
+                                   calibration_tokens=tokens, head_damp=head_damp, dtype="float32")
+        head = layers.zero_point_modules(model)["lm_head"]
+        q = zp_format.unpack(np.array(head.weight), 4, head.in_features)
+        z = zp_format.unpack(np.array(head.zeros), 4, head.in_features // 32)
+        heads[head_damp] = (q, dense(q, np.array(head.scales.astype(mx.float32)), z, 32))
+        assert ("head" in record) == (head_damp is not None)
+    kl = record["head"]["calibration_kl"]
+    assert record["head"]["method"] == "gptq" == min(kl, key=kl.get), record["head"]
+    model.model.embed_tokens = nn.Embedding(*table.shape)  # the float table the blocks saw
+    model.model.embed_tokens.weight = mx.array(table)
+    x = np.concatenate([np.array(model.model(mx.array(tokens[i : i + 1])))[0]
+                        for i in range(len(tokens))]).astype(np.float64)
+    hessian = x.T @ x / len(x)
+    want, _, _, _ = gptq.quantize(weight, hessian, 4, 32, damp=0.01, dtype="float32")
+    assert np.mean(heads[0.01][0] == want) > 0.99  # float32 sums in another order may flip a few
+    assert (output_error(weight, heads[0.01][1], hessian)
+            < 0.9 * output_error(weight, heads[None][1], hessian))
