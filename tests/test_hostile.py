@@ -748,6 +748,7 @@ def _wait_for_mapping(process: subprocess.Popen, path: Path, timeout: float = 12
     raise AssertionError(f"the command never mapped {path}")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="watches the process through /proc (Linux)")
 @pytest.mark.parametrize("when", ["waiting-for-input", "converting-the-model"])
 def test_ctrl_c_during_start_up_exits_130_quietly(tmp_path, tiny_source, when):
     """A real process and a real SIGINT, once it waits for its prompt on stdin and once while it

@@ -307,6 +307,7 @@ def test_force_replaces_only_a_directory_mlxspec_wrote(source, tmp_path, no_mode
     assert (mine / "thesis.txt").read_text() == "precious"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc is Linux's (macOS has none)")
 def test_unwritable_out_is_refused_before_loading(source, no_model_load):
     # /proc refuses new entries even to root (chmod cannot show this when tests run as root).
     assert_one_line_error(quantize(str(source), "--out", "/proc/mlxspec-q4"), "cannot write")
@@ -366,7 +367,9 @@ def no_conversion(monkeypatch, no_model_load):
     (lambda root: root / "models", "a parent of the source model"),
     (lambda root: root / "models" / "m.gguf" / "x", "inside the source model"),
     (lambda root: ".", "working directory"),
-    (lambda root: "/proc/mlxspec-q8", "cannot write to /proc"),
+    pytest.param(lambda root: "/proc/mlxspec-q8", "cannot write to /proc",
+                 marks=pytest.mark.skipif(sys.platform != "linux",
+                                          reason="/proc is Linux's (macOS has none)")),
 ])
 def test_a_gguf_source_is_not_converted_before_the_output_is_refused(tmp_path, monkeypatch,
                                                                      no_conversion, out, needle):
