@@ -89,18 +89,11 @@ def blas_report(measure: bool = False) -> dict[str, Any]:
 
 
 def cpu_model() -> str:
-    """The CPU's name, with its family and model where Linux reports them (cloud machines often
-    name only the vendor, "AMD EPYC": the family tells a Zen 5 from a Zen 3): benchmark results
-    record it, since the same code runs at different speeds on different machines."""
-    import platform
+    """The CPU's name, with its family and model where Linux reports them (see
+    :func:`mlxspec.cpu.jit.cpu_model`): benchmark results record it."""
+    from mlxspec.cpu.jit import cpu_model as model
 
-    from mlxspec.cpu.jit import cpuinfo
-
-    fields = cpuinfo()
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return name
+    return model()
 
 
 def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array] | None:

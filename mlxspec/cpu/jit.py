@@ -168,3 +168,16 @@ def _clear_old_kernels(directory: Path) -> None:
         except OSError:  # another user's: MLX keeps loading it as built
             pass
     stamp.write_text(recorded)
+
+
+def cpu_model() -> str:
+    """The CPU's name, with its family and model where Linux reports them (cloud machines often
+    name only the vendor, "AMD EPYC": the family tells a Zen 5 from a Zen 3): benchmark results
+    record it, since the same code runs at different speeds on different machines."""
+    import platform
+
+    fields = cpuinfo()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name

@@ -125,10 +125,8 @@ CHOICE_SHAPE = (1536, 576)  # (out, in) of the measured product: SmolLM2's MLP, 
 
 
 def _choice_key() -> str:
-    from mlxspec.cpu import cpu_model
-
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"{cpu_model()} | {os.cpu_count()} CPUs | {SOURCE.name} {digest}"
+    return f"{cpu_jit.cpu_model()} | {os.cpu_count()} CPUs | {SOURCE.name} {digest}"
 
 
 def _measure(matrices: int = 32, rounds: int = 3) -> dict[str, float]:
