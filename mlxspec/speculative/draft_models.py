@@ -8,6 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxspec import cpu
+
 
 def first_layers_copy(model: nn.Module, layers: int | None = None) -> nn.Module:
     """A new model object sharing ``model``'s weights, with only its first ``layers`` decoder
@@ -32,4 +34,5 @@ def quantized_copy(model: nn.Module, bits: int = 4, group_size: int = 64) -> nn.
     copy = first_layers_copy(model)
     nn.quantize(copy, group_size=group_size, bits=bits)
     mx.eval(copy.parameters())
+    cpu.prepare(copy)  # as mlxspec.load does: on a CPU, the packed-weight kernel
     return copy
