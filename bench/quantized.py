@@ -25,6 +25,10 @@ side with mlx-lm's own affine quantization at the same bits.
   disk and evaluated the same way (in float32 on their dequantized weights); each row is
   appended to the JSONL as it finishes and a rerun skips the rows already there (mlx_lm.awq takes
   one to two hours per case on SmolLM2 here; ``--anchor-reuse`` evaluates its directories again).
+  Every row is judged per held-out domain (prose, code, chat, technical) and on its worst one;
+  with ``--anchor-calibration WxT`` mlx-lm's tools read the same W windows of T tokens as
+  mlxspec's (``--anchor-calibration-set mix``: the built-in set decoded to a file).
+  ``--table ROWS`` prints the per-domain markdown tables of a rows file.
 - kernels: for every layer shape of the models at M = 1, 2, 4, 8 rows, seconds per call of
   ``mx.quantized_matmul`` (the zp fallback and mlx-lm's affine) and of float32 BLAS on a copy.
 
