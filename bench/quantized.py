@@ -620,7 +620,8 @@ def domain_table(rows: list[dict]) -> str:
                 x = r["domains"][d]
                 kl = f"{x['kl_mean']:.3f}" if bits < 8 else f"{x['kl_mean']:.4f}"
                 kl = f"**{kl}**" if x["kl_mean"] == best[d] else kl
-                cells.append(f"{kl}<br>{x['kl_p99']:.2f} / {x['top1_agreement']:.1f} / "
+                p99 = f"{x['kl_p99']:.4f}" if bits >= 8 else f"{x['kl_p99']:.2f}"
+                cells.append(f"{kl}<br>{p99} / {x['top1_agreement']:.1f} / "
                              f"{x['perplexity']:.1f}")
             worst = r["domains"][r["worst_domain"]]["kl_mean"]
             worst_cell = f"{worst:.4f}" if bits >= 8 else f"{worst:.3f}"
