@@ -13,6 +13,7 @@ from quant_storage_checks import (
     quantize_and_save,
 )
 
+from mlxspec.gguf.tensors import dense_conversion
 from mlxspec.load import resolve_model_path
 from mlxspec.quant import awq
 
@@ -21,7 +22,8 @@ from mlxspec.quant import awq
 def saved(gemma3_gguf, tmp_path_factory):
     # AWQ's exponent searched on 5 points instead of 20 (48 -> 12 s here): these checks are about
     # the stored format, and the coarser search still beats round-to-nearest by far.
-    with pytest.MonkeyPatch.context() as patch:
+    # Quantization needs the float source, whatever the device imports GGUF blocks as.
+    with pytest.MonkeyPatch.context() as patch, dense_conversion():
         patch.setattr(awq, "ALPHAS", awq.ALPHAS[::4])
         return quantize_and_save(resolve_model_path(str(gemma3_gguf)),
                                  tmp_path_factory.mktemp("q") / "gemma3-awq", "awq", "bfloat16")
