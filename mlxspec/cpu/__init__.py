@@ -16,7 +16,7 @@ every switch):
 The rest of mlxspec calls only the functions below: :func:`start` when ``mlxspec`` is imported
 (before ``mlx.core``), :func:`before_load` and :func:`prepare` from ``mlxspec.load``,
 :func:`report` from ``mlxspec doctor``, :func:`greedy_candidates` and :func:`blas_report` from
-the engine and the benchmarks, :func:`quantized_products`, :func:`packed_weights_pay` and
+the engine and the benchmarks, :func:`quantized_products`, :func:`packed_weights_pay`, :func:`packed_bits` and
 :func:`quantized_matmul` from the quantized layers and the GGUF import. Each is a no-op (or reports "not used") where Metal runs.
 ``tests/test_structure.py`` checks that no module outside this package imports its internals.
 """
@@ -120,6 +120,15 @@ def packed_weights_pay() -> tuple[bool, dict[str, float]]:
     from mlxspec.cpu import quantized
 
     return quantized.packed_pays()
+
+
+def packed_bits() -> tuple[int, ...]:
+    """The bit widths the packed-weight kernel multiplies (4 and 8), or () where it is not
+    enabled: MLX's own CPU product of other widths loops over x's rows one scalar mat-vec at a
+    time, so such weights pay as float32 copies."""
+    from mlxspec.cpu import quantized
+
+    return quantized.BITS if quantized.enable() else ()
 
 
 def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, *,

@@ -281,6 +281,8 @@ def gguf_cache_key(gguf_path: str | Path) -> str:
     path = Path(gguf_path).resolve()
     stat = path.stat()
     mode = gguf_quant.import_mode()  # dense and quantized conversions are different directories
+    if mode == "quantized":
+        mode += ",".join(map(str, gguf_quant.packed_bits()))
     # so are the dtypes of a CPU's and Metal's conversions (conversion_dtype)
     dtype = os.environ.get(DTYPE_ENV, "") or ("metal" if mx.metal.is_available() else "")
     fingerprint = f"{CONVERTER_VERSION}:{mode}:{dtype}:{path}:{stat.st_size}:{stat.st_mtime_ns}"

@@ -76,6 +76,18 @@ def import_mode() -> str:
     return "quantized" if cpu.packed_weights_pay()[0] else "dense"
 
 
+def packed_bits() -> tuple[int, ...]:
+    """Bit widths a quantized import keeps packed: every one of :data:`IMPORTED`'s on Metal or
+    with ``MLXSPEC_GGUF_WEIGHTS=quantized``; on a CPU's own choice only those mlxspec's kernel
+    multiplies (Q5_0 as a float32 copy: MLX's CPU 5-bit product made Gemma-3's 700-token
+    prefill 9x slower than float32 through BLAS)."""
+    if mx.metal.is_available() or os.environ.get(MODE_ENV, "").strip().lower() == "quantized":
+        return tuple(sorted(set(IMPORTED.values())))
+    from mlxspec import cpu
+
+    return cpu.packed_bits()
+
+
 @contextlib.contextmanager
 def dense_conversion():
     """Within the block, GGUF files convert to dense float weights whatever the device: for
@@ -105,8 +117,12 @@ def describe() -> str:
         why = (f"CPU, measured here: a decode product {ms['packed_ms']:.3f} ms packed against "
                f"{ms['dense_ms']:.3f} ms float32 + BLAS" if ms else
                "CPU without mlxspec's packed-weight kernel: float32 through BLAS is faster")
-    kinds = ", ".join(t.name for t in IMPORTED)
-    return f"GGUF weights: {mode} ({why}); {kinds} import bit-exact as MLX quantized, K-quants dequantized"
+    if mode == "dense":
+        return f"GGUF weights: dense ({why}); every type dequantized"
+    kept = packed_bits()
+    kinds = ", ".join(t.name for t, bits in IMPORTED.items() if bits in kept)
+    return (f"GGUF weights: quantized ({why}); {kinds} import bit-exact as MLX quantized, "
+            "the other types dequantized")
 
 
 def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
@@ -198,11 +214,13 @@ def save_weights(
     arrays: dict[str, mx.array] = {}
     quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
     dequantized: set[str] = set()
+    kept = packed_bits()
     with progress_bar("Importing GGUF tensors", len(gguf.tensors), progress) as advance:
         for name, tensor in gguf.tensors.items():
             hf = names[name]
             module = hf.rsplit(".", 1)[0]
-            if tensor.qtype in IMPORTED and len(tensor.shape) == 2 and hf.endswith(".weight"):
+            if (IMPORTED.get(tensor.qtype) in kept and len(tensor.shape) == 2
+                    and hf.endswith(".weight")):
                 for key, value in affine_arrays(tensor.qtype, tensor.raw, tensor.shape).items():
                     if key != "weight" and module in STREAM_ENDS and float_dtype == mx.float32:
                         value = value.astype(np.float32)  # exact; see STREAM_ENDS

@@ -73,7 +73,9 @@ def test_the_import_mode_follows_the_device_and_the_override(monkeypatch):
     # quantized on Metal, and on a CPU where the packed kernel measured faster than float32
     packed = mx.metal.is_available() or cpu.packed_weights_pay()[0]
     assert gguf_quant.import_mode() == ("quantized" if packed else "dense")
-    assert "K-quants dequantized" in gguf_quant.describe()
+    assert "dequantized" in gguf_quant.describe()
+    if packed:  # the kinds kept packed are those the device multiplies packed
+        assert ("Q5_0" in gguf_quant.describe()) == (5 in gguf_quant.packed_bits())
     if not mx.metal.is_available() and cpu.quantized_products():
         assert "measured here" in gguf_quant.describe()
     path = default_model_path()
@@ -83,6 +85,8 @@ def test_the_import_mode_follows_the_device_and_the_override(monkeypatch):
         assert gguf_quant.import_mode() == mode and mode in gguf_quant.describe()
         keys.add(gguf_cache_key(path))
     assert len(keys) == 2  # a dense conversion is never reused as a quantized one
+    # a forced quantized import keeps every type packed, whatever the CPU kernel multiplies
+    assert gguf_quant.packed_bits() == (4, 5, 8)
     with gguf_quant.dense_conversion():  # quantize needs a float source on every device
         assert gguf_quant.import_mode() == "dense"
     assert gguf_quant.import_mode() == "quantized"
@@ -115,3 +119,18 @@ def test_quantized_smollm2_conversion_runs_close_to_the_dense_one(smollm2, tmp_p
     assert got.dtype == mx.float32
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-2 * np.abs(want).max().item())
     assert mx.array_equal(got[0].argmax(-1), want[0].argmax(-1)).item()
+
+
+@pytest.mark.slow
+def test_gemma3_keeps_packed_only_the_widths_this_device_multiplies_packed(gemma3, gemma3_gguf):
+    from mlxspec.load import resolve_model_path
+
+    model, _ = gemma3
+    kept = gguf_quant.packed_bits() if gguf_quant.import_mode() == "quantized" else ()
+    widths = {m.bits for _, m in model.named_modules() if hasattr(m, "scales")}
+    # Q4_K (4 bits) and Q8_0 (8) stay packed where kept; Q5_0 only where 5 bits are multiplied
+    # packed (Metal), else it is a float32 copy, as is every Q6_K
+    assert widths == {4, 5, 8} & set(kept)
+    config = json.loads((resolve_model_path(str(gemma3_gguf)) / "config.json").read_text())
+    if kept:
+        assert ("Q5_0" in config["quantization"]["dequantized"]) == (5 not in kept)
