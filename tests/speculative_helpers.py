@@ -96,3 +96,24 @@ def acceptance_against_theory(model, draft_model, prompts, max_tokens, temp=1.0,
             observed += ids[start] == tokens[0]  # a rejected draft is never the residual
             trials += 1
     return observed, expected, variance, naive, trials
+
+
+def second_request_while_speculating(engine, first, second, after: int) -> dict:
+    """Serve ``first`` alone until it has streamed ``after`` tokens (speculating by then), submit
+    ``second``, run both to the end. Returns each request's text and checks the engine's phases:
+    batched (not speculative) while both ran, speculating again once ``first`` was alone."""
+    a = engine.submit(first)
+    texts, phases, b = {a: ""}, [], None
+    while engine.streams:
+        if len(phases) == after and b is None:
+            assert engine.speculating
+            b = engine.submit(second)
+            texts[b] = ""
+        for event in engine.step():
+            texts[event.rid] += event.text
+            if event.rid == a:
+                phases.append((event.speculative, len(engine.streams)))
+    shared = [spec for spec, streams in phases if streams == 2]
+    assert shared and not any(shared)
+    assert phases[-1][0]
+    return {"first": texts[a], "second": texts[b]}

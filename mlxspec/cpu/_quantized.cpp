@@ -224,22 +224,32 @@ inline void prefetch_rows(const Job &j, int n, int rows) {
     _mm_prefetch(static_cast<const char *>(j.biases) + n * bbytes + at, _MM_HINT_T0);
 }
 
-template <int BITS, int C>
-void row_block(const Job &j, int n0, float *sb) {
+/* One block of C output rows over every row of x: their scales and biases as floats into sb,
+ * then Tile::run<BITS, R, C> on MR rows of x at a time and the 1-3 left over (R < MR only). */
+template <class Tile, int MR_, int BITS, int C>
+void row_block_with(const Job &j, int n0, float *sb) {
   prefetch_rows(j, n0 + PREFETCH_ROWS, C);
   for (int c = 0; c < C; ++c) {
     row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
     row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
   }
   int m = 0;
-  for (; m + MR <= j.M; m += MR) tile<BITS, MR, C>(j, m, n0, sb);
+  for (; m + MR_ <= j.M; m += MR_) Tile::template run<BITS, MR_, C>(j, m, n0, sb);
   switch (j.M - m) {
-    case 1: tile<BITS, 1, C>(j, m, n0, sb); break;
-    case 2: if constexpr (MR > 2) tile<BITS, 2, C>(j, m, n0, sb); break;
-    case 3: if constexpr (MR > 3) tile<BITS, 3, C>(j, m, n0, sb); break;
+    case 1: Tile::template run<BITS, 1, C>(j, m, n0, sb); break;
+    case 2: if constexpr (MR_ > 2) Tile::template run<BITS, 2, C>(j, m, n0, sb); break;
+    case 3: if constexpr (MR_ > 3) Tile::template run<BITS, 3, C>(j, m, n0, sb); break;
     default: break;
   }
 }
+
+struct FloatTile {
+  template <int BITS, int R, int C>
+  static void run(const Job &j, int m0, int n0, const float *sb) { tile<BITS, R, C>(j, m0, n0, sb); }
+};
+
+template <int BITS, int C>
+void row_block(const Job &j, int n0, float *sb) { row_block_with<FloatTile, MR, BITS, C>(j, n0, sb); }
 
 /* A buffer of at least n floats owned by the calling thread (grown, never shrunk): no allocation
  * per call or per task. `slot` tells the buffers of one thread apart. */
@@ -375,22 +385,13 @@ void tile_q8(const Job &j, int m0, int n0, const float *sb) {
 
 constexpr int NR8 = 4, MR8 = 4;
 
+struct Int8Tile {
+  template <int BITS, int R, int C>
+  static void run(const Job &j, int m0, int n0, const float *sb) { tile_q8<BITS, R, C>(j, m0, n0, sb); }
+};
+
 template <int BITS, int C>
-void row_block_q8(const Job &j, int n0, float *sb) {
-  prefetch_rows(j, n0 + PREFETCH_ROWS, C);
-  for (int c = 0; c < C; ++c) {
-    row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
-    row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
-  }
-  int m = 0;
-  for (; m + MR8 <= j.M; m += MR8) tile_q8<BITS, MR8, C>(j, m, n0, sb);
-  switch (j.M - m) {
-    case 1: tile_q8<BITS, 1, C>(j, m, n0, sb); break;
-    case 2: tile_q8<BITS, 2, C>(j, m, n0, sb); break;
-    case 3: tile_q8<BITS, 3, C>(j, m, n0, sb); break;
-    default: break;
-  }
-}
+void row_block_q8(const Job &j, int n0, float *sb) { row_block_with<Int8Tile, MR8, BITS, C>(j, n0, sb); }
 
 void task_q8(void *context, int i) {
   const Job &j = *static_cast<const Job *>(context);

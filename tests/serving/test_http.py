@@ -19,6 +19,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is in the dev extra")
 
+from speculative_helpers import second_request_while_speculating  # noqa: E402
+
 from mlxspec.generate import stream_generate  # noqa: E402
 from mlxspec.serving import decode_batch as engine_batch  # noqa: E402
 from mlxspec.serving.batch import chat_template_prefix  # noqa: E402
@@ -127,21 +129,9 @@ def test_lone_stream_speculates_and_yields_to_the_batch_exactly(smollm2):
     expected_a = reference(model, tokenizer, prompt_a, 32)[0]
     expected_b = reference(model, tokenizer, prompt_b, 4)[0]
     engine = Engine(model, tokenizer, draft=make_draft(model, tokenizer, prompt_lookup=True))
-    a = engine.submit(Request(prompt_a, max_tokens=32))
-    texts, phases, b = {a: ""}, [], None
-    while engine.streams:
-        if len(phases) == 6 and b is None:  # A is alone and speculating: B arrives
-            assert engine.speculating
-            b = engine.submit(Request(prompt_b, max_tokens=4))
-            texts[b] = ""
-        for event in engine.step():
-            texts[event.rid] += event.text
-            if event.rid == a:
-                phases.append((event.speculative, len(engine.streams)))
-    assert texts == {a: expected_a, b: expected_b}
-    shared = [spec for spec, streams in phases if streams == 2]
-    assert shared and not any(shared)  # batched, not speculative, while B ran
-    assert phases[-1][0]  # alone again: speculating again
+    texts = second_request_while_speculating(engine, Request(prompt_a, max_tokens=32),
+                                             Request(prompt_b, max_tokens=4), after=6)
+    assert texts == {"first": expected_a, "second": expected_b}
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode(smollm2):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from speculative_helpers import plain_tokens, spec_tokens
+from speculative_helpers import plain_tokens, second_request_while_speculating, spec_tokens
 
 from mlxspec.chat import chat_prompt
 from mlxspec.speculative import SpecStats
@@ -57,19 +57,7 @@ def test_served_lone_stream_drafts_with_the_head_and_yields_to_the_batch_exactly
     prompt_b = tokenizer.encode("The capital of France is")
     draft = make_draft(model, tokenizer, draft_model=FeatureDraft("auto"))
     engine = Engine(model, tokenizer, draft=draft, num_draft_tokens=3)
-    a = engine.submit(Request(prompt_a, max_tokens=48))
-    texts, phases, b = {a: ""}, [], None
-    while engine.streams:
-        if len(phases) == 12 and b is None:  # A is alone and speculating: B arrives
-            assert engine.speculating
-            b = engine.submit(Request(prompt_b, max_tokens=4))
-            texts[b] = ""
-        for event in engine.step():
-            texts[event.rid] += event.text
-            if event.rid == a:
-                phases.append((event.speculative, len(engine.streams)))
-    assert texts == {a: reference(prompt_a, 48), b: reference(prompt_b, 4)}
-    shared = [spec for spec, streams in phases if streams == 2]
-    assert shared and not any(shared)  # batched, not speculative, while B ran
-    assert phases[-1][0]  # alone again: speculating again
+    texts = second_request_while_speculating(engine, Request(prompt_a, max_tokens=48),
+                                             Request(prompt_b, max_tokens=4), after=12)
+    assert texts == {"first": reference(prompt_a, 48), "second": reference(prompt_b, 4)}
     assert draft.target.features is not None and draft.cached > len(prompt_a)
