@@ -7,7 +7,7 @@ import sys
 import click
 
 from mlxspec.cli.chat_loop import run_conversation
-from mlxspec.cli.common import check_text, model_option, sampling_options
+from mlxspec.cli.common import check_text, model_option, sampling_options, shard_option
 from mlxspec.cli.speculative_options import kv_bits_option, load_draft, speculative_options
 
 
@@ -20,9 +20,10 @@ from mlxspec.cli.speculative_options import kv_bits_option, load_draft, speculat
 @sampling_options
 @speculative_options
 @kv_bits_option
+@shard_option
 def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top_k, min_p,
             seed, draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence,
-            kv_bits):
+            kv_bits, shard):
     """Chat with a model. Only each new turn is prefilled: the KV cache is kept between turns.
 
     Reads one user turn per line; works in a terminal and from a pipe.
@@ -34,23 +35,36 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
       printf 'Hi!\\nWhat did I just say?\\n' | mlxspec chat
     \b
     In the chat: /reset, /system TEXT, /stats, /help, /quit; Ctrl-C stops a reply, Ctrl-D exits.
+    With --shard (under mlx.launch) rank 0 reads the lines; end the input with /quit (mlx.launch
+    does not pass end-of-input on), and Ctrl-C ends the chat, not only the reply.
     """
     from mlxspec.benchmark import model_bytes
     from mlxspec.chat import ChatSession
-    from mlxspec.load import load
+    from mlxspec.distributed import agreed_decoding, is_primary, load_sharded
+    from mlxspec.distributed.chat import LeadingChat, follow_chat
+    from mlxspec.distributed.follow import END, send
 
     if system is not None:
         check_text(system, "--system")
-    nn_model, tokenizer = load(model)
+    nn_model, tokenizer = load_sharded(model, shard)
+    if shard is not None:  # every rank decodes alike: a fixed draft length, rank 0's seed
+        num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
+    leads = shard is not None and is_primary()
     draft, draft_tokenizer = load_draft(draft_model)
-    session = ChatSession(
+    session = (LeadingChat if leads else ChatSession)(
         nn_model, tokenizer, system=system, max_kv_size=max_kv_size, max_tokens=max_tokens,
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, draft_model=draft,
         draft_tokenizer=draft_tokenizer, num_draft_tokens=num_draft_tokens,
         prompt_lookup=prompt_lookup, ngram_max=ngram_max,
         draft_min_confidence=draft_min_confidence, kv_bits=kv_bits,
     )
-    nbytes = model_bytes(nn_model)
+    if shard is not None and not leads:
+        follow_chat(session)  # the same turns as rank 0, until it ends the conversation
+        return
     interactive = sys.stdin.isatty()
-    if not run_conversation(session, nbytes, live_stats=live_stats, interactive=interactive):
+    ok = run_conversation(session, model_bytes(nn_model), live_stats=live_stats,
+                          interactive=interactive, interruptible=shard is None)
+    if leads:
+        send(END)
+    if not ok:
         sys.exit(2)

@@ -39,16 +39,21 @@ def _read_line(interactive: bool) -> str | None:
 
 
 def run_conversation(session: ChatSession, nbytes: int, *, live_stats: bool,
-                     interactive: bool) -> bool:
+                     interactive: bool, interruptible: bool = True) -> bool:
     """Talk until end of input or /quit; returns False when a line or a turn was refused (the
-    conversation went on past it). ``nbytes``: the model's bytes read per token, for /stats."""
+    conversation went on past it). ``nbytes``: the model's bytes read per token, for /stats.
+    ``interruptible=False`` (a sharded chat, whose other ranks generate every reply to its end):
+    Ctrl-C during a reply ends the chat instead of the reply."""
+    from mlxspec.distributed.group import waiting_for_input
+
     if interactive:
         sys.stdin.reconfigure(errors="surrogateescape")  # a bad line is reported, not fatal
         click.echo("mlxspec chat — /help for commands, Ctrl-D to exit.")
     failed = False
     while True:
         try:
-            line = _read_line(interactive)
+            with waiting_for_input(session.model):  # a sharded model's watchdog: not a failure
+                line = _read_line(interactive)
         except KeyboardInterrupt:
             click.echo("\n(Ctrl-D or /quit exits)")
             continue
@@ -79,6 +84,8 @@ def run_conversation(session: ChatSession, nbytes: int, *, live_stats: bool,
                 for response in reply:
                     click.echo(response.text, nl=False)
             except KeyboardInterrupt:
+                if not interruptible:
+                    raise
                 click.echo(" [interrupted]", nl=False)
             except MlxspecError as e:  # this turn was refused; the conversation goes on
                 click.echo(f"error: {e}", err=True)

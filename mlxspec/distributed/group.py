@@ -67,20 +67,39 @@ class Watchdog:
     has started for ``timeout_s`` seconds: a peer died or hangs, and a collective would block.
 
     ``beat()`` is called at each forward pass; use as a context manager around generation.
+    While the job waits for its input (rank 0 for a chat line or an HTTP request, the followers
+    for rank 0's next message) the watchdog is paused: waiting for a user is no failure.
     """
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._last = time.monotonic()
+        self._paused = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def beat(self) -> None:
         self._last = time.monotonic()
 
+    def pause(self) -> None:
+        """Stop counting until :meth:`resume`: the job waits for input, not for a peer."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self.beat()
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.timeout_s / 4)):
-            if time.monotonic() - self._last > self.timeout_s:
+            if not self._paused and time.monotonic() - self._last > self.timeout_s:
                 if is_primary():
                     sys.__stderr__.write(
                         f"error: a rank of the group stopped answering for {self.timeout_s:.0f} s "
@@ -96,6 +115,13 @@ class Watchdog:
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+
+
+def waiting_for_input(model: Any) -> contextlib.AbstractContextManager:
+    """Around a wait for input (a chat line, a request, rank 0's next message): pauses the
+    watchdog of a model :func:`~mlxspec.distributed.load_sharded` gave (nothing otherwise)."""
+    watchdog = getattr(model, "watchdog", None)
+    return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
 
 
 # With a sharded target every rank must make the same decisions, or their forward passes stop
@@ -134,6 +160,9 @@ def sharded_run(mode: str | None) -> Iterator[None]:
         return
     try:
         yield
+    except SystemExit:  # a refused input (a chat line): the others finished the run alike
+        barrier()
+        raise
     except RuntimeError as e:
         if "[ring]" in str(e) or "distributed" in str(e).lower():
             raise DistributedError(
