@@ -287,9 +287,11 @@ template <int BITS>
 constexpr int block_weights() { return 64 * 8 / BITS; }
 template <int BITS>
 inline __m512i lane_groups(int group) {
-  alignas(64) int idx[16];
-  for (int l = 0; l < 16; ++l) idx[l] = (BITS == 4 ? (l / 4) * 32 : 4 * l) / group;
-  return _mm512_load_si512(idx);
+  const int shift = group == 32 ? 5 : group == 64 ? 6 : 7;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i first = BITS == 4 ? _mm512_slli_epi32(_mm512_srli_epi32(lane, 2), 5)  // (l / 4) * 32
+                                  : _mm512_slli_epi32(lane, 2);                      // 4 * l
+  return _mm512_srlv_epi32(first, _mm512_set1_epi32(shift));
 }
 
 /* x (M, K) -> j.xq, j.dxv, j.xs (int8 activations; see the header). Blocks of 32 elements of x
@@ -297,11 +299,11 @@ inline __m512i lane_groups(int group) {
  * byte j the weights 2j and 2j + 1 of the block; xq puts the even elements (64 bytes) and then
  * the odd ones (64 bytes) in that byte order, so one vpdpbusd takes the low nibbles, one the
  * high. At 8 bits xq is x's own order. Padding past K is zero. */
-void prepare_xq(const float *x, int64_t rs, int64_t cs, Job &j, int8_t *xq, float *dxv,
+void prepare_xq(const float *x, const int64_t *rows, int64_t cs, Job &j, int8_t *xq, float *dxv,
                 float *xs) {
   const int sub = j.K / 32, per_row = j.blocks * 64 * 8 / j.bits;
   for (int m = 0; m < j.M; ++m) {
-    const float *row = x + m * rs;
+    const float *row = x + rows[m];
     int8_t *q = xq + (size_t)m * per_row;
     float *d = dxv + (size_t)m * j.blocks * 16;
     std::memset(q, 0, per_row);
@@ -333,53 +335,67 @@ void prepare_xq(const float *x, int64_t rs, int64_t cs, Job &j, int8_t *xq, floa
   }
 }
 
+/* One 64-byte block b of W's rows n0 .. n0 + C - 1 into acc (see tile_q8). Full blocks load
+ * whole; the last block of a row whose bytes are not a multiple of 64 loads under wmask. */
+template <int BITS, int R, int C, bool LAST>
+__attribute__((always_inline)) inline void block_q8(const Job &j, int m0, int n0, const float *sb, int b, int gshift,
+                     __mmask64 wmask, const __m512i idx, __m512 (&acc)[R][C]) {
+  constexpr int WB = block_weights<BITS>();
+  const __m512i nib = _mm512_set1_epi8(15);
+  const size_t at = (size_t)b * 64;
+  const int g0 = (b * WB) >> gshift;
+  const int gl = std::min(std::max(WB >> gshift, 1), j.groups - g0);
+  const __mmask16 gmask = (__mmask16)((1u << gl) - 1);
+  const int per_row = j.blocks * WB;
+  __m512 dx[R];
+  for (int r = 0; r < R; ++r) dx[r] = _mm512_loadu_ps(j.dxv + ((size_t)(m0 + r) * j.blocks + b) * 16);
+  for (int c = 0; c < C; ++c) {
+    const uint8_t *wp = j.w + (size_t)(n0 + c) * j.row_bytes + at;
+    const __m512i v = LAST ? _mm512_maskz_loadu_epi8(wmask, wp) : _mm512_loadu_si512(wp);
+    const __m512 s = _mm512_permutexvar_ps(
+        idx, _mm512_maskz_loadu_ps(gmask, sb + (size_t)(2 * c) * j.groups + g0));
+    for (int r = 0; r < R; ++r) {
+      const int8_t *xr = j.xq + (size_t)(m0 + r) * per_row + (size_t)b * (BITS == 4 ? 128 : 64);
+      __m512i d;
+      if constexpr (BITS == 4) {
+        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, nib),
+                                _mm512_loadu_si512(xr));
+        d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                                _mm512_loadu_si512(xr + 64));
+      } else {
+        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xr));
+      }
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, dx[r]), acc[r][c]);
+    }
+  }
+}
+
 /* Outputs (m0 .. m0 + R - 1, n0 .. n0 + C - 1) with int8 activations: per block of W and output,
- * acc = fma(float(sum q xq), s * dx, acc) (lanes: 4 or 8 products of a subblock), then the lanes
- * summed in vsum's order, then b . xs added group by group (16 at a time, in order). */
+ * acc = fma(float(sum q xq), s * dx, acc) (lanes: 4 or 8 products of a subblock), then b . xs
+ * added into the lanes group by group (16 at a time, in order), then the lanes summed in vsum's
+ * order. */
 template <int BITS, int R, int C>
 void tile_q8(const Job &j, int m0, int n0, const float *sb) {
-  constexpr int WB = block_weights<BITS>();
-  const __m512i idx = lane_groups<BITS>(j.group), nib = _mm512_set1_epi8(15);
-  const int per_row = j.blocks * WB;
+  const __m512i idx = lane_groups<BITS>(j.group);
+  const int gshift = j.group == 32 ? 5 : j.group == 64 ? 6 : 7;  // no division per block
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int b = 0; b < j.blocks; ++b) {
-    const size_t at = (size_t)b * 64;
-    const size_t left = j.row_bytes - at;
-    const __mmask64 wmask = left >= 64 ? ~0ULL : ((1ULL << left) - 1);
-    const int g0 = b * WB / j.group, gl = std::min(16, j.groups - g0);
-    const __mmask16 gmask = (__mmask16)((1u << gl) - 1);
-    __m512 dx[R];
-    for (int r = 0; r < R; ++r) dx[r] = _mm512_loadu_ps(j.dxv + ((size_t)(m0 + r) * j.blocks + b) * 16);
-    for (int c = 0; c < C; ++c) {
-      const __m512i v = _mm512_maskz_loadu_epi8(wmask, j.w + (size_t)(n0 + c) * j.row_bytes + at);
-      const __m512 s = _mm512_permutexvar_ps(
-          idx, _mm512_maskz_loadu_ps(gmask, sb + (size_t)(2 * c) * j.groups + g0));
-      for (int r = 0; r < R; ++r) {
-        const int8_t *xr = j.xq + (size_t)(m0 + r) * per_row + (size_t)b * (BITS == 4 ? 128 : 64);
-        __m512i d;
-        if constexpr (BITS == 4) {
-          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, nib),
-                                  _mm512_loadu_si512(xr));
-          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
-                                  _mm512_loadu_si512(xr + 64));
-        } else {
-          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xr));
-        }
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, dx[r]), acc[r][c]);
-      }
-    }
+  const int full = (int)(j.row_bytes / 64);
+  for (int b = 0; b < full; ++b) block_q8<BITS, R, C, false>(j, m0, n0, sb, b, gshift, 0, idx, acc);
+  if (full < j.blocks) {
+    const __mmask64 wmask = (1ULL << (j.row_bytes - (size_t)full * 64)) - 1;
+    block_q8<BITS, R, C, true>(j, m0, n0, sb, full, gshift, wmask, idx, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       const float *xs = j.xs + (size_t)(m0 + r) * j.groups, *bias = sb + (size_t)(2 * c + 1) * j.groups;
-      __m512 t = _mm512_setzero_ps();
+      __m512 t = acc[r][c];  // the b . xs terms join the lanes before the one horizontal sum
       for (int g = 0; g < j.groups; g += 16) {
         const __mmask16 m = (__mmask16)((1u << std::min(16, j.groups - g)) - 1);
         t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bias + g), _mm512_maskz_loadu_ps(m, xs + g), t);
       }
-      j.out[(size_t)(m0 + r) * j.N + n0 + c] = vsum(acc[r][c]) + vsum(t);
+      j.out[(size_t)(m0 + r) * j.N + n0 + c] = vsum(t);
     }
 }
 
@@ -409,7 +425,7 @@ void task_q8(void *context, int i) {
 #else
 constexpr bool HAS_VNNI = false;
 constexpr int NR8 = 4;
-void prepare_xq(const float *, int64_t, int64_t, Job &, int8_t *, float *, float *) {}
+void prepare_xq(const float *, const int64_t *, int64_t, Job &, int8_t *, float *, float *) {}
 void task_q8(void *, int) {}
 #endif
 
@@ -419,10 +435,10 @@ ParallelFor parallel_for() {
   return fn;
 }
 
-/* x (M, K) with element (m, k) at m * rs + k * cs -> xp (M, K) in chunk order. */
-void prepare_x(const float *x, int64_t rs, int64_t cs, int M, int K, int bits, float *xp) {
+/* x (M, K) with element (m, k) at rows[m] + k * cs -> xp (M, K) in chunk order. */
+void prepare_x(const float *x, const int64_t *rows, int64_t cs, int M, int K, int bits, float *xp) {
   for (int m = 0; m < M; ++m) {
-    const float *row = x + m * rs;
+    const float *row = x + rows[m];
     float *dst = xp + (size_t)m * K;
     for (int e = 0; e < K; e += CHUNK)
       for (int i = 0; i < CHUNK; ++i) {
@@ -525,7 +541,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     for (const auto &input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
     Job j{};
-    j.M = (int)x.shape(0), j.K = (int)x.shape(1), j.N = (int)w.shape(0);
+    j.K = (int)x.shape(-1), j.N = (int)w.shape(0), j.M = (int)(x.size() / std::max(j.K, 1));
     j.bits = bits_, j.group = group_, j.groups = j.K / group_;
     j.row_bytes = (size_t)j.K * bits_ / 8;
     j.w = reinterpret_cast<const uint8_t *>(w.data<uint32_t>());
@@ -533,19 +549,29 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     j.scale_type = scale_type(s.dtype()), j.bias_type = scale_type(b.dtype());
     j.out = out.data<float>();
     const bool int8 = int8_ && HAS_VNNI && j.M <= MAX_KERNEL_ROWS;
-    encoder.dispatch([j, int8, xd = x.data<float>(), rs = x.strides(0), cs = x.strides(1)]() mutable {
+    std::vector<int64_t> rows(j.M);  // x's leading axes (any strides) flattened: row m's offset
+    for (int m = 0; m < j.M; ++m) {
+      int64_t at = 0;
+      for (int d = x.ndim() - 2, rest = m; d >= 0; --d) {
+        at += (int64_t)(rest % x.shape(d)) * x.strides(d);
+        rest /= x.shape(d);
+      }
+      rows[m] = at;
+    }
+    encoder.dispatch([j, int8, rows = std::move(rows), xd = x.data<float>(),
+                      cs = x.strides().back()]() mutable {
       if (int8) {
         j.blocks = (int)((j.row_bytes + 63) / 64);
         const size_t per_row = (size_t)j.blocks * 64 * 8 / j.bits;
         auto *xq = reinterpret_cast<int8_t *>(scratch((size_t)j.M * per_row / 4 + 16, 1));
         float *f = scratch((size_t)j.M * (j.blocks * 16 + j.groups), 2);
-        prepare_xq(xd, rs, cs, j, xq, f, f + (size_t)j.M * j.blocks * 16);
+        prepare_xq(xd, rows.data(), cs, j, xq, f, f + (size_t)j.M * j.blocks * 16);
         j.xq = xq, j.dxv = f, j.xs = f + (size_t)j.M * j.blocks * 16;
         run_rows(j, task_q8, NR8);
         return;
       }
       float *xp = scratch((size_t)j.M * j.K, 1);
-      prepare_x(xd, rs, cs, j.M, j.K, j.bits, xp);
+      prepare_x(xd, rows.data(), cs, j.M, j.K, j.bits, xp);
       j.xp = xp;
       if (j.M > MAX_KERNEL_ROWS)
         sgemm_product(j);
@@ -585,16 +611,17 @@ mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::arr
     throw std::invalid_argument("[mlxspec quantized] shapes do not match");
   scale_type(scales.dtype()), scale_type(biases.dtype());
   auto stream = mx::to_stream({});
-  const int M = (int)(x.size() / std::max(K, 1));
-  mx::array x2 = mx::reshape(x, {M, K}, stream);
-  std::vector<mx::array> inputs = {x2, mx::contiguous(w, false, stream),
-                                   mx::contiguous(scales, false, stream),
-                                   mx::contiguous(biases, false, stream)};
-  mx::array y({M, N}, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits, int8),
-              std::move(inputs));
+  // One graph node per product (MLX's CPU back-end pays ~10 us per node here): x of any rank and
+  // strides is read in place, and weights already row-contiguous (a model's) are not wrapped.
+  auto packed = [&](const mx::array &a) {
+    return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+  };
+  std::vector<mx::array> inputs = {x, packed(w), packed(scales), packed(biases)};
   mx::Shape shape = x.shape();
   shape.back() = N;
-  return mx::reshape(y, shape, stream);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantizedMatmul>(stream, group_size, bits, int8),
+                   std::move(inputs));
 }
 
 }  // namespace
