@@ -6,7 +6,7 @@ import json
 
 import click
 
-from mlxspec.cli.common import model_option, sampling_options
+from mlxspec.cli.common import model_option, sampling_options, shard_option
 from mlxspec.cli.speculative_options import load_draft, speculative_options
 
 
@@ -20,8 +20,10 @@ from mlxspec.cli.speculative_options import load_draft, speculative_options
 @click.option("--batch-size", default=None, type=click.IntRange(min=1),
               help="Sequences decoded together (default: from memory and a measured curve).")
 @speculative_options
+@shard_option
 def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, stop, batch_size,
-            draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence):
+            draft_model, num_draft_tokens, prompt_lookup, ngram_max, draft_min_confidence,
+            shard):
     """Generate a completion for every line of PROMPTS (JSONL) into --out (JSONL).
 
     Each line is {"id": ..., "prompt": "raw text"} or {"id": ..., "messages": [...]} (chat
@@ -34,19 +36,37 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
     Examples:
       mlxspec batch prompts.jsonl --out results.jsonl --max-tokens 128
       mlxspec batch prompts.jsonl -o results.jsonl --batch-size 16 --temp 0.7
+
+    With --shard (under mlx.launch) rank 0 reads PROMPTS and writes --out; --batch-size
+    defaults to 8 (the measured choice would differ between ranks).
     """
-    from mlxspec.load import load
+    import functools
+
+    from mlxspec.distributed import agreed_decoding, is_primary, load_sharded
+    from mlxspec.distributed.engine import SHARDED_BATCH_SIZE, LeadingEngine, follow_engine
+    from mlxspec.distributed.follow import END, send
     from mlxspec.serving.batch_jsonl import run_jsonl
+    from mlxspec.serving.engine import Engine
     from mlxspec.speculative import make_draft
 
-    nn_model, tokenizer = load(model)
+    nn_model, tokenizer = load_sharded(model, shard)
+    make_engine = Engine
+    if shard is not None:  # every rank decodes alike: a fixed draft length, rank 0's seed
+        num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
+        batch_size = batch_size or SHARDED_BATCH_SIZE
+        make_engine = functools.partial(LeadingEngine, seed=seed)
     draft_nn, draft_tokenizer = load_draft(draft_model)
     draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,
                        prompt_lookup=prompt_lookup, ngram_max=ngram_max,
                        min_confidence=draft_min_confidence)
+    if shard is not None and not is_primary():
+        follow_engine(nn_model, tokenizer, draft)  # rank 0's engine calls, until it ends
+        return
     defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                     seed=seed, stop=tuple(stop))
     summary = run_jsonl(nn_model, tokenizer, prompts, out, defaults=defaults,
                         batch_size=batch_size, draft=draft,
-                        num_draft_tokens=num_draft_tokens)
+                        num_draft_tokens=num_draft_tokens, make_engine=make_engine)
+    if shard is not None:
+        send(END)
     click.echo(json.dumps(summary), err=True)

@@ -28,7 +28,8 @@ _OPTIONS = [
                       "mlxspec zero-point layout, only for what cannot be exact (--act-order)."),
     click.option("--dtype", default=None, type=click.Choice(DTYPES),
                  help="dtype of scales, biases and unquantized parameters (so of activations and "
-                      "KV cache); default the source's. GGUF sources convert to float32: pass "
+                      "KV cache); default the source's. A GGUF source converts to float32, or to "
+                      "float16 for a llama on Metal (MLXSPEC_GGUF_DTYPE overrides): pass "
                       "float16 or bfloat16 for a half-precision model."),
     click.option("--mixed", "recipe", default=None,
                  help="Mixed precision: a recipe (JSON file, or a shipped one: embed8, mixed8, "

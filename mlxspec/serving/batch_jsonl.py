@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,16 @@ def run_jsonl(
     draft: Any = None,
     num_draft_tokens: int | str = "auto",
     progress: bool | None = None,
+    make_engine: Callable[..., Engine] = Engine,
 ) -> dict[str, Any]:
     """The ``mlxspec batch`` job: results appended to ``out_path`` one line each, as they finish.
 
     Each output line is ``{"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}``
     or ``{"id", "error"}``. Ids already in ``out_path`` are skipped (resume after a crash, which
     loses at most the in-flight batch: each line is written with one append).
+
+    ``make_engine``: builds the engine (``mlxspec.distributed.engine.LeadingEngine``: a sharded
+    job's rank 0).
 
     Returns:
         A summary: counts, tokens, seconds, tokens/s, batch size and how it was chosen.
@@ -147,8 +152,8 @@ def run_jsonl(
         batch_size, sizing = choose_batch_size(
             model, tokens_per_sequence=longest, num_prompts=len(runnable))
     batch_size = batch_size or 1
-    engine = Engine(model, tokenizer, max_batch=batch_size, draft=draft,
-                    num_draft_tokens=num_draft_tokens, prompt_cache_size=0)
+    engine = make_engine(model, tokenizer, max_batch=batch_size, draft=draft,
+                         num_draft_tokens=num_draft_tokens, prompt_cache_size=0)
     engine.share_prefix(shared_prefix([r.prompt for r in runnable]))
     budgets = {key: r.max_tokens for key, r in jobs if isinstance(r, Request)}
     expected = sum(budgets.values())

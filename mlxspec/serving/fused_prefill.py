@@ -52,6 +52,8 @@ class Part:
 
 def supported(model: nn.Module) -> bool:
     """Whether ``fused_logits`` can run ``model`` (an mlx-lm llama-family model, full attention)."""
+    if getattr(model, "shard_layout", None) is not None:
+        return False  # sharded (mlxspec.distributed): only the model's own forward is split
     inner = model.get("model") if isinstance(model, nn.Module) else None
     if getattr(model, "model_type", None) not in FUSED_MODEL_TYPES or not isinstance(
             inner, nn.Module):
