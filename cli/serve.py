@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from mlxspec.cli.common import model_option
+from mlxspec.cli.common import model_option, shard_option
 from mlxspec.cli.speculative_options import speculative_options
 
 
@@ -37,10 +37,11 @@ from mlxspec.cli.speculative_options import speculative_options
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds SIGTERM / Ctrl-C waits for open requests.")
 @speculative_options
+@shard_option
 def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_context, max_concurrent,
             max_body_bytes, max_batch, prefill_step, prompt_cache_size, allowed_origins,
             drain_timeout, draft_model, num_draft_tokens, prompt_lookup, ngram_max,
-            draft_min_confidence):
+            draft_min_confidence, shard):
     """Serve the model over an OpenAI-compatible API (as mlx_lm.server).
 
     Routes: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
@@ -53,6 +54,9 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
       mlxspec serve
       mlxspec serve --prompt-lookup --port 8000
       mlxspec serve --host 0.0.0.0 --api-key "$KEY"
+
+    With --shard (under mlx.launch) rank 0 serves HTTP and every step of its engine is replayed
+    by the other ranks (batching and speculation included); a lost rank ends the server.
     """
     from mlxspec.serving.http import serve_forever
     from mlxspec.serving.launch import is_loopback, start_server
@@ -67,9 +71,15 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
         prompt_cache_size=prompt_cache_size, allowed_origins=allowed_origins,
         draft_model=draft_model, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
         ngram_max=ngram_max, draft_min_confidence=draft_min_confidence,
-        feature_draft=click.get_current_context().meta.get("mlxspec.draft"))
+        feature_draft=click.get_current_context().meta.get("mlxspec.draft"), shard=shard)
+    if server is None:  # a follower rank: it replayed rank 0's engine until the server stopped
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
                err=True)
     serve_forever(server, drain_timeout=drain_timeout)
+    if shard is not None:
+        from mlxspec.distributed.follow import END, send
+
+        send(END)
     click.echo("mlxspec serve: stopped", err=True)

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,11 +69,17 @@ class LeadingEngine(_Mirrored):
                  group: mx.distributed.Group | None = None, **options: Any):
         self.group = group or mx.distributed.init()
         shared = {k: v for k, v in options.items() if k != "draft"}
-        send(MESSAGE, {"op": "open", "options": shared, "seed": seed,
-                       "draft": options.get("draft") is not None}, self.group)
+        self._send(MESSAGE, {"op": "open", "options": shared, "seed": seed,
+                             "draft": options.get("draft") is not None})
         super().__init__(model, tokenizer, seed=seed, **options)
         self.watchdog = getattr(model, "watchdog", None)
         self._idle()
+
+    def _send(self, code: int, message: dict[str, Any] | None = None) -> None:
+        try:
+            send(code, message, self.group)
+        except RuntimeError as e:
+            _end_job(e)
 
     def _idle(self) -> None:
         """Pause the watchdog while no stream is open: the server waits for requests."""
@@ -81,11 +87,11 @@ class LeadingEngine(_Mirrored):
             self.watchdog.pause()
 
     def share_prefix(self, tokens: list[int]) -> None:
-        send(MESSAGE, {"op": "share_prefix", "tokens": list(tokens)}, self.group)
+        self._send(MESSAGE, {"op": "share_prefix", "tokens": list(tokens)})
         super().share_prefix(tokens)
 
     def submit(self, request: Request) -> int:
-        send(MESSAGE, {"op": "submit", "request": dataclasses.asdict(request)}, self.group)
+        self._send(MESSAGE, {"op": "submit", "request": dataclasses.asdict(request)})
         if self.watchdog is not None:
             self.watchdog.resume()
         self._seed_once()
@@ -95,15 +101,15 @@ class LeadingEngine(_Mirrored):
             self._idle()
 
     def cancel(self, rid: int) -> None:
-        send(MESSAGE, {"op": "cancel", "rid": rid}, self.group)
+        self._send(MESSAGE, {"op": "cancel", "rid": rid})
         super().cancel(rid)
         self._idle()
 
     def step(self) -> list[Event]:
         # The decision Engine.step would take from this rank's timings, taken once for all.
         self.solo = self._solo is None and Engine._wants_solo(self)
+        self._send(STEP_SOLO if self.solo else STEP)
         try:
-            send(STEP_SOLO if self.solo else STEP, None, self.group)
             events = super().step()
         except RuntimeError as e:  # a lost rank: the server must not go on without it
             _end_job(e)
@@ -111,13 +117,13 @@ class LeadingEngine(_Mirrored):
         return events
 
     def close(self) -> None:
-        send(MESSAGE, {"op": "close"}, self.group)
+        self._send(MESSAGE, {"op": "close"})
         super().close()
 
 
-def _end_job(e: RuntimeError) -> None:
-    """A sharded server whose step failed (a rank went away) ends: one ``error:`` line, exit 2
-    (the engine thread would otherwise fail each request and serve on)."""
+def _end_job(e: RuntimeError) -> NoReturn:
+    """A sharded job whose engine call failed (a rank went away) ends: one ``error:`` line, exit
+    status 2 (a server's engine thread would otherwise fail each request and serve on)."""
     sys.stdout.flush()
     sys.__stderr__.write(f"error: a rank of the group failed or went away ({str(e).strip()}); "
                          "check the other ranks' output and hosts and rerun\n")
