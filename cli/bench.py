@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from mlxspec.cli.common import model_option
+from mlxspec.cli.common import model_option, shard_option
 
 
 @click.command("bench")
@@ -19,7 +19,8 @@ from mlxspec.cli.common import model_option
 @click.option("--draft", default="auto", show_default=True,
               help="Also decode with this feature draft (EAGLE-3 head): 'auto' (the head shipped "
                    "for this model, if any), a head's directory, or 'none'.")
-def command(model, prompt, max_tokens, repeats, as_json, draft):
+@shard_option
+def command(model, prompt, max_tokens, repeats, as_json, draft, shard):
     """Measure prompt and decode tokens/s, achieved bandwidth and roofline fraction for mlxspec
     and plain mlx-lm on the same model and prompt, in one run.
 
@@ -27,13 +28,18 @@ def command(model, prompt, max_tokens, repeats, as_json, draft):
     Examples:
       mlxspec bench
       mlxspec bench -m ./smollm2-q4 --max-tokens 128 --json
+
+    With --shard (under mlx.launch) every rank runs the same decodes on its shard and rank 0
+    reports them; the feature draft drafts a fixed number of tokens.
     """
     from mlxspec.benchmark import DEFAULT_PROMPT, compare_decode
     from mlxspec.cli import render
+    from mlxspec.distributed import SHARDED_DRAFT_TOKENS
 
     result = compare_decode(
         model, prompt=prompt or DEFAULT_PROMPT, max_tokens=max_tokens, repeats=repeats,
         progress=None if as_json else (lambda msg: click.echo(f"... {msg}", err=True)),
-        draft=draft,
+        draft=draft, shard=shard,
+        num_draft_tokens="auto" if shard is None else SHARDED_DRAFT_TOKENS,
     )
     click.echo(render.as_json(result) if as_json else render.bench_table(result))

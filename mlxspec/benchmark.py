@@ -76,9 +76,9 @@ def roofline(achieved_gbs: float, bandwidth_gbs: float) -> float:
 
 
 def _run(engine: str, model, tokenizer, prompt_ids: list[int], max_tokens: int,
-         draft: Any = None) -> dict:
+         draft: Any = None, num_draft_tokens: int | str = "auto") -> dict:
     """One decode of ``max_tokens`` with ``engine`` ("mlxspec", "mlx_lm", or "draft": mlxspec
-    with the drafter ``draft``, auto draft length): its speed stats."""
+    with the drafter ``draft`` drafting ``num_draft_tokens``): its speed stats."""
     kwargs = {}
     if engine == "mlx_lm":
         from mlx_lm import stream_generate
@@ -87,7 +87,7 @@ def _run(engine: str, model, tokenizer, prompt_ids: list[int], max_tokens: int,
 
         if engine == "draft":
             draft.reset()
-            kwargs = {"draft": draft}
+            kwargs = {"draft": draft, "num_draft_tokens": num_draft_tokens}
     last = deque(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, **kwargs),
                  maxlen=1)[0]
     stats = {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
@@ -111,12 +111,17 @@ def compare_decode(
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
     draft: str | None = None,
+    shard: str | None = None,
+    num_draft_tokens: int | str = "auto",
 ) -> dict[str, Any]:
     """Decode and prefill speed of mlxspec vs mlx-lm on the same model and prompt, in one process.
 
     ``draft``: also mlxspec with this feature draft (``"auto"``: the head shipped for the model,
     left out when there is none; or a head's directory), reported as the ``draft`` engine with
-    its tokens per target pass and ``draft_ratio`` (÷ mlxspec's plain decoding).
+    its tokens per target pass and ``draft_ratio`` (÷ mlxspec's plain decoding), drafting
+    ``num_draft_tokens``. ``shard`` ("tensor" or "pipeline", under ``mlx.launch``): the model is
+    sharded over the group and every rank runs the same decodes (a sharded run must give a fixed
+    ``num_draft_tokens``: "auto" chooses from each rank's own timings).
 
     Runs alternate between the two (after one warm-up each) so that drift in machine load hits
     both; medians of ``repeats`` runs are reported.
@@ -128,12 +133,12 @@ def compare_decode(
     """
     from mlxspec.chat import chat_prompt
     from mlxspec.cpu import blas_report
-    from mlxspec.load import load
+    from mlxspec.distributed import group_report, load_sharded
     from mlxspec.quant import kernels
 
     say = progress or (lambda _msg: None)
     say("loading model")
-    model, tokenizer = load(model_spec)
+    model, tokenizer = load_sharded(model_spec, shard)
     messages = [{"role": "user", "content": prompt}]
     if tokenizer.chat_template:
         prompt_ids = chat_prompt(tokenizer, messages)
@@ -151,11 +156,12 @@ def compare_decode(
         if drafter is not None:
             runs["draft"] = []
     for engine in runs:  # warm-up
-        _run(engine, model, tokenizer, prompt_ids, 8, drafter)
+        _run(engine, model, tokenizer, prompt_ids, 8, drafter, num_draft_tokens)
     for i in range(repeats):
         for engine, engine_runs in runs.items():
             say(f"run {i + 1}/{repeats}: {engine}")
-            engine_runs.append(_run(engine, model, tokenizer, prompt_ids, max_tokens, drafter))
+            engine_runs.append(_run(engine, model, tokenizer, prompt_ids, max_tokens, drafter,
+                                    num_draft_tokens))
     result: dict[str, Any] = {
         "model": model_spec or "default (SmolLM2-135M-Instruct)",
         "prompt_tokens": len(prompt_ids),
@@ -168,6 +174,8 @@ def compare_decode(
         # MLXSPEC_KERNELS=emulate: the zero-point kernels ran in the CPU emulator
         "emulated": kernels.EMULATED if kernels.emulating() else None,
     }
+    if shard is not None:
+        result["group"] = {**group_report(), "layout": model.shard_layout}
     for name, rs in runs.items():
         med = _median_runs(rs)
         med["bandwidth_gbs"] = achieved_bandwidth(nbytes, med["generation_tps"])
