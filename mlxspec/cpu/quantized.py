@@ -27,6 +27,7 @@ is unavailable, on a Linux x86-64 CPU with AVX2, FMA and F16C.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -69,8 +70,17 @@ def int8_activations() -> bool:
     products, as llama.cpp does (``MLXSPEC_CPU_QMM_ACTIVATIONS=int8``, where the CPU has VNNI;
     the default ``float32`` keeps x as it is): faster, less exact (``docs/linux-cpu.md``)."""
     module = _state.get("module")
-    setting = os.environ.get(ACTIVATIONS, "float32").strip().lower() or "float32"
-    return module is not None and bool(module.int8_activations) and setting == "int8"
+    return module is not None and bool(module.int8_activations) and _switches(
+        os.environ.get(SWITCH), os.environ.get(ACTIVATIONS))[1]
+
+
+@functools.lru_cache(maxsize=32)
+def _switches(switch: str | None, activations: str | None) -> tuple[bool, bool]:
+    """(kernel turned off, int8 activations asked for) from the two variables' values: read at
+    every product (tests and A/B runs change them), parsed once per value (a decode token makes
+    ~200 products, and the parsing cost more than the kernel call itself)."""
+    off = turned_off(SWITCH, {SWITCH: switch} if switch is not None else {})
+    return off, (activations or "float32").strip().lower() == "int8"
 
 
 def enable() -> bool:
@@ -195,12 +205,21 @@ def matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | N
     ``x``'s dtype (computed in float32), or None when the kernel is not enabled or does not take
     this layout."""
     module = _state.get("module")
-    if (module is None or turned_off(SWITCH) or x.ndim < 1 or x.dtype not in SCALE_TYPES or x.size == 0
+    if (module is None or x.ndim < 1 or x.dtype not in SCALE_TYPES or x.size == 0
             or not supported(weight, scales, biases, group_size, bits, mode)
             or x.shape[-1] != weight.shape[1] * 32 // bits):
         return None
+    return _product(module, x, weight, scales, biases, group_size, bits)
+
+
+def _product(module: ModuleType, x: mx.array, weight: mx.array, scales: mx.array,
+             biases: mx.array, group_size: int, bits: int) -> mx.array | None:
+    """The kernel's ``x @ W.T`` for a layout already checked (None when switched off)."""
+    off, int8 = _switches(os.environ.get(SWITCH), os.environ.get(ACTIVATIONS))
+    if off:
+        return None
     y = module.quantized_matmul(x.astype(mx.float32), weight, scales, biases, group_size, bits,
-                                int8_activations())
+                                int8 and bool(module.int8_activations))
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 
@@ -208,8 +227,15 @@ class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose product runs on the kernel where it takes the layout."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = matmul(x, self["weight"], self["scales"], self.get("biases"),
-                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        module, weight = _state.get("module"), self["weight"]
+        # The layout was checked at install; a replaced weight (load_weights) is checked again.
+        if (module is not None and x.dtype in SCALE_TYPES and x.size
+                and (id(weight), weight.shape) == self._checked and x.shape[-1] == self._in_features):
+            y = _product(module, x, weight, self["scales"], self["biases"], self.group_size,
+                         self.bits)
+        else:
+            y = matmul(x, weight, self["scales"], self.get("biases"),
+                       group_size=self.group_size, bits=self.bits, mode=self.mode)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
@@ -239,6 +265,10 @@ def install(model: nn.Module) -> int:
                                                   module.get("biases"), module.group_size,
                                                   module.bits, module.mode):
                 module.__class__ = cls
+                # plain attributes (not parameters): the weight checked and its input size
+                object.__setattr__(module, "_checked", (id(module["weight"]), module["weight"].shape))
+                object.__setattr__(module, "_in_features",
+                                   module["weight"].shape[1] * 32 // module.bits)
                 count += 1
     return count
 
