@@ -31,13 +31,15 @@ class Machine:
     spike: float = 0.0  # extra seconds of the first speculative pass (a kernel compiled for it)
     noise: float = 0.0  # sigma of a lognormal factor on every measured time
     tokens: int = TOKENS  # tokens generated
+    prefill_per_token: float | None = None  # the prompt's cost per token, if not per_token
 
 
 def simulate(machine: Machine, num_draft_tokens: int | str, seed: int = 0) -> float:
     """Tokens per second of a ``machine.tokens``-token generation on ``machine``."""
     m, rng = machine, np.random.default_rng(seed)
     planner = DraftLengthPlanner(num_draft_tokens, m.draft, m.catch_up or None)
-    planner.observe_prefill(m.prompt, m.step + m.per_token * m.prompt)
+    prefill = m.per_token if m.prefill_per_token is None else m.prefill_per_token
+    planner.observe_prefill(m.prompt, m.step + prefill * m.prompt)
 
     def noisy(seconds: float) -> float:
         return seconds * rng.lognormal(0.0, m.noise) if m.noise else seconds
@@ -81,6 +83,12 @@ SCENARIOS = {
     "bad drafts, short answer": Machine(draft=0.0015, per_token=0.0005, acceptance=0.15,
                                         tokens=128),
     "prompt lookup, long prompt": Machine(draft=0.0, acceptance=0.6, prompt=30_000),
+    # packed 4-bit weights on a CPU: a prefill (dequantized tiles + sgemm) costs half as much per
+    # token as a verify pass's extra rows (the small-row kernel); prompt lookup at T = 0.7 on a
+    # chat answer finds almost nothing (bench/speculative.py's feature rows)
+    "packed CPU, useless free drafts, short answer": Machine(
+        step=0.030, per_token=0.006, prefill_per_token=0.003, draft=0.0, acceptance=0.05,
+        tokens=128),
     "draft model, long prompt to catch up": Machine(
         draft=0.002, per_token=0.0005, acceptance=0.7, catch_up=0.0002, prompt=3000
     ),
