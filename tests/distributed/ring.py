@@ -38,18 +38,21 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def ring(args: list[str], tmp_path: Path, ranks: int = 2,
+def ring(args: list[str], tmp_path: Path, ranks: int = 2, stdin: bool = False,
          **extra_env: str) -> Iterator[list[subprocess.Popen]]:
-    """``mlxspec *args`` on ``ranks`` ring processes; every one is killed when the block ends."""
+    """``mlxspec *args`` on ``ranks`` ring processes; every one is killed when the block ends.
+    ``stdin``: each rank reads a pipe (``communicate(input)``; ``mlx.launch`` gives every rank
+    the same input), else nothing."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
     procs = []
     try:
         for rank in range(ranks):
             env = environment(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), **extra_env)
-            procs.append(subprocess.Popen([MLXSPEC, *args], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(
+                [MLXSPEC, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True,
+                start_new_session=True))
         yield procs
     finally:
         for p in procs:
@@ -59,10 +62,11 @@ def ring(args: list[str], tmp_path: Path, ranks: int = 2,
             p.wait()
 
 
-def one_process(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """``mlxspec *args`` as one ordinary process (the reference)."""
+def one_process(args: list[str], timeout: float = 120,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """``mlxspec *args`` as one ordinary process (the reference), reading ``input``."""
     return subprocess.run([MLXSPEC, *args], env=environment(), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, input=input)
 
 
 def json_of(stdout: str) -> dict:
