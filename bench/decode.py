@@ -29,6 +29,9 @@ Accuracy, beside the speed: each mlxspec row's logits over ``ACCURACY_TOKENS`` t
 long prompt, fed ``ACCURACY_CHUNK`` at a time (the path decoding and verification take), against
 the float64 model (the GGUF dequantized, every parameter and every operation in float64): the
 largest error over the logits' spread, and how often the argmax is the float64 model's.
+
+Where a step's time goes (``step_profile``, mlxspec rows): one synchronous decode step, the
+linear layers' products on one row, the output head, and the rest (``docs/linux-cpu.md``).
 """
 
 # ruff: noqa: I001  (mlxspec is imported before mlx.core: it must load the optimized BLAS first)
@@ -109,7 +112,48 @@ def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int,
     return {"decode_tps": run[-1].generation_tps, "decoded": run[-1].generation_tokens,
             "prefill_tps": len(long_ids) / prefill_s, "bytes_per_token": model_bytes(model),
             "rss_mb": rss_mb(), "tokens": [r.token for r in run[:24]],
-            "quantized_products": cpu.report(measure=False)["quantized_products"]}
+            "quantized_products": cpu.report(measure=False)["quantized_products"],
+            "step_profile": step_profile(model, prompt_ids)}
+
+
+def step_profile(model, prompt_ids: list[int], steps: int = 32) -> dict:
+    """Milliseconds of one synchronous decode step and of its parts, medians: every linear
+    layer's product on one row (in one graph, as a step's), the output head's, and the rest
+    (attention, norms, RoPE, cache updates, MLX's per-node cost and the Python building it)."""
+    import mlx.core as mx
+    from mlxspec.cache import make_cache
+
+    cache = make_cache(model)
+    mx.eval(model(mx.array([prompt_ids]), cache=cache))
+    token = mx.array([[1]])
+
+    def median_ms(fn, n: int) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            tic = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - tic)
+        return 1e3 * statistics.median(times)
+
+    step = median_ms(lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1], -1)), steps)
+    inner = model.model if hasattr(model, "model") else model
+    head = getattr(model, "lm_head", None) or inner.embed_tokens.as_linear
+    linears = [m for name, m in model.named_modules()
+               if "weight" in m and m["weight"].ndim == 2 and "embed" not in name
+               and name != "lm_head"]
+    rows = {m_in(m): mx.zeros((1, 1, m_in(m))) for m in linears}
+    hidden = mx.zeros((1, 1, model.args.hidden_size))
+    products = median_ms(lambda: mx.eval([m(rows[m_in(m)]) for m in linears]), 9)
+    head_ms = median_ms(lambda: mx.eval(head(hidden)), 9)
+    return {"step_ms": step, "linear_products_ms": products, "linear_products": len(linears),
+            "head_ms": head_ms, "rest_ms": step - products - head_ms}
+
+
+def m_in(layer) -> int:
+    """A linear layer's input size (packed or not)."""
+    w = layer["weight"]
+    return w.shape[1] * 32 // layer.bits if hasattr(layer, "bits") else w.shape[1]
 
 
 def chunked_logits(model, ids: list[int]) -> np.ndarray:
@@ -236,6 +280,9 @@ def summary(runs: list[dict], bandwidth: float) -> dict:
     row["bytes_per_token"] = runs[0]["bytes_per_token"]
     if "accuracy" in runs[0]:
         row["accuracy"] = runs[0]["accuracy"]
+    if "step_profile" in runs[0]:  # mlxspec rows: the median of each part over the rounds
+        row["step_profile"] = {k: statistics.median(r["step_profile"][k] for r in runs)
+                               for k in runs[0]["step_profile"]}
     row["achieved_gbs"] = row["bytes_per_token"] * row["decode_tps"] / 1e9
     row["roofline"] = row["achieved_gbs"] / bandwidth
     row["runs"] = runs
