@@ -289,6 +289,22 @@ def summary(runs: list[dict], bandwidth: float) -> dict:
     return row
 
 
+def markdown_table(result: dict) -> str:
+    """The README's table of a result: tok/s, ratios, bytes, accuracy, per row."""
+    lines = ["| row | decode tok/s | ÷ float32 | ÷ llama.cpp | prefill tok/s | MB read / token "
+             "| argmax = float64 |", "|---|--:|--:|--:|--:|--:|--:|"]
+    for name, row in result["rows"].items():
+        acc = row.get("accuracy", {}).get("argmax_agreement")
+        vs_llama = row.get("decode_vs_llama_cpp")
+        lines.append(
+            f"| {name} | {row['decode_tps']:.1f} | {row['decode_vs_float32']:.2f}× | "
+            f"{'–' if vs_llama is None else f'{vs_llama:.2f}×'} | {row['prefill_tps']:.0f} | "
+            f"{row['bytes_per_token'] / 1e6:.0f} | {'–' if acc is None else f'{100 * acc:.1f} %'} |")
+    load = ", ".join(f"{v:.1f}" for v in result["load_average"])
+    lines.append(f"\n{result['cpu']}, {result['threads']} threads, load average {load}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -296,8 +312,13 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--table", action="store_true",
+                        help="print --out's rows as the README's markdown table and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.out.read_text())))
+        return
     if args.child:
         payload = json.loads(args.child)
         print(json.dumps(mlxspec_row(payload["prompt"], payload["long"], payload["tokens"],
