@@ -44,7 +44,6 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
 
     from mlxspec.distributed import agreed_decoding, is_primary, load_sharded
     from mlxspec.distributed.engine import SHARDED_BATCH_SIZE, LeadingEngine, follow_engine
-    from mlxspec.distributed.follow import END, send
     from mlxspec.serving.batch_jsonl import run_jsonl
     from mlxspec.serving.engine import Engine
     from mlxspec.speculative import make_draft
@@ -67,6 +66,4 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
     summary = run_jsonl(nn_model, tokenizer, prompts, out, defaults=defaults,
                         batch_size=batch_size, draft=draft,
                         num_draft_tokens=num_draft_tokens, make_engine=make_engine)
-    if shard is not None:
-        send(END)
     click.echo(json.dumps(summary), err=True)

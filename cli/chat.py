@@ -42,7 +42,6 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     from mlxspec.chat import ChatSession
     from mlxspec.distributed import agreed_decoding, is_primary, load_sharded
     from mlxspec.distributed.chat import LeadingChat, follow_chat
-    from mlxspec.distributed.follow import END, send
 
     if system is not None:
         check_text(system, "--system")
@@ -65,6 +64,6 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     ok = run_conversation(session, model_bytes(nn_model), live_stats=live_stats,
                           interactive=interactive, interruptible=shard is None)
     if leads:
-        send(END)
+        session.end()
     if not ok:
         sys.exit(2)

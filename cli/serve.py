@@ -78,8 +78,4 @@ def command(model, host, port, api_key, max_tokens, max_tokens_limit, max_contex
     click.echo(f"mlxspec serve: {server.url}/v1 (model {server.model_id}; Ctrl-C to stop)",
                err=True)
     serve_forever(server, drain_timeout=drain_timeout)
-    if shard is not None:
-        from mlxspec.distributed.follow import END, send
-
-        send(END)
     click.echo("mlxspec serve: stopped", err=True)

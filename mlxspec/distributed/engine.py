@@ -13,7 +13,8 @@ generator seeded alike on every rank before the first request.
 Messages (``op``): ``open`` (``options``: the engine's keyword arguments but the drafter;
 ``draft``: whether it has one; ``seed``), ``share_prefix`` (``tokens``), ``submit``
 (``request``: the :class:`~mlxspec.serving.requests.Request`'s fields), ``cancel`` (``rid``),
-``close``; a step is the bare code ``STEP`` or ``STEP_SOLO``.
+``close`` (the end of the job); a step is the bare code ``STEP`` or ``STEP_SOLO``. While no
+stream is open rank 0 ticks (:class:`~mlxspec.distributed.follow.Ticker`): the followers sleep.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
-from mlxspec.distributed.follow import END, MESSAGE, STEP, STEP_SOLO, receive, send
+from mlxspec.distributed.follow import (
+    END,
+    MESSAGE,
+    STEP,
+    STEP_SOLO,
+    Ticker,
+    receive_action,
+    send,
+)
 from mlxspec.distributed.group import waiting_for_input
 from mlxspec.serving.engine import Engine
 from mlxspec.serving.requests import Event, Request
@@ -68,6 +77,7 @@ class LeadingEngine(_Mirrored):
     def __init__(self, model: nn.Module, tokenizer: Any, *, seed: int,
                  group: mx.distributed.Group | None = None, **options: Any):
         self.group = group or mx.distributed.init()
+        self.ticker = Ticker(self.group)
         shared = {k: v for k, v in options.items() if k != "draft"}
         self._send(MESSAGE, {"op": "open", "options": shared, "seed": seed,
                              "draft": options.get("draft") is not None})
@@ -76,19 +86,23 @@ class LeadingEngine(_Mirrored):
         self._idle()
 
     def _send(self, code: int, message: dict[str, Any] | None = None) -> None:
+        self.ticker.busy()
         try:
             send(code, message, self.group)
         except RuntimeError as e:
             _end_job(e)
 
     def _idle(self) -> None:
-        """Pause the watchdog while no stream is open: the server waits for requests."""
-        if self.watchdog is not None and not self.streams:
-            self.watchdog.pause()
+        """While no stream is open (the job waits for requests): tick, and pause the watchdog."""
+        if not self.streams:
+            if self.watchdog is not None:
+                self.watchdog.pause()
+            self.ticker.idle()
 
     def share_prefix(self, tokens: list[int]) -> None:
         self._send(MESSAGE, {"op": "share_prefix", "tokens": list(tokens)})
         super().share_prefix(tokens)
+        self._idle()
 
     def submit(self, request: Request) -> int:
         self._send(MESSAGE, {"op": "submit", "request": dataclasses.asdict(request)})
@@ -117,7 +131,9 @@ class LeadingEngine(_Mirrored):
         return events
 
     def close(self) -> None:
+        """Close the engine on every rank: the followers' :func:`follow_engine` returns."""
         self._send(MESSAGE, {"op": "close"})
+        self.ticker.stop()
         super().close()
 
 
@@ -142,7 +158,8 @@ def _request(fields: dict[str, Any]) -> Request:
 
 def follow_engine(model: nn.Module, tokenizer: Any, draft: Any = None,
                   group: mx.distributed.Group | None = None) -> None:
-    """On a follower: make rank 0's engine calls on an engine of its own until rank 0 ends.
+    """On a follower: make rank 0's engine calls on an engine of its own until rank 0 closes
+    it (or sends ``END`` before opening one).
 
     ``draft``: this rank's drafter, built from the same options as rank 0's. A call rank 0's
     engine refused (a request's ``ValueError``) is refused here alike and skipped.
@@ -152,7 +169,7 @@ def follow_engine(model: nn.Module, tokenizer: Any, draft: Any = None,
     while True:
         idle = engine is None or not engine.streams
         with waiting_for_input(model) if idle else contextlib.nullcontext():
-            code, message = receive(group)
+            code, message = receive_action(group)
         if code == END:
             return
         if code in (STEP, STEP_SOLO):
@@ -173,9 +190,9 @@ def follow_engine(model: nn.Module, tokenizer: Any, draft: Any = None,
                 pass
         elif op == "cancel":
             engine.cancel(message["rid"])
-        elif op == "close":
+        elif op == "close":  # the end of the job
             engine.close()
-            engine = None
+            return
         else:
             raise ValueError(f"unknown engine message {op!r} from rank 0")
 
