@@ -9,6 +9,14 @@ function: the answer copies most of the prompt, where prompt lookup drafts well)
     tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same two
     pipeline-2    the same with ``--shard pipeline``
 
+Then the continuous-batching engine that ``serve`` and ``batch`` use, whose every step rank 0
+first sends to the other rank (``mlxspec.distributed.engine``): ``mlxspec batch`` on the same
+prompt alone (one stream, plain), one process and sharded, timed as a job (prefill + decode)
+beside the generate rows' prefill + decode time. And an idle ``serve --shard pipeline``: CPU
+seconds each rank burns in ``IDLE_SECONDS`` with no request, without the idle ticks
+(``MLXSPEC_SHARD_IDLE_TICK=0``: the follower waits inside a ring collective, which spins) and
+with them (the default).
+
 Each row records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
 collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
@@ -28,10 +36,13 @@ import argparse
 import json
 import os
 import platform
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +62,7 @@ def summarize(data):
     return {"total": total, "count": count, "mean": mean, "items": len(data)}
 """
 HIDDEN, LAYERS = 576, 30  # SmolLM2-135M
+IDLE_SECONDS = 10.0
 # one-way latency (s) and bandwidth (bytes/s) per link: typical values, assumed
 LINKS = {"1 GbE": (50e-6, 117e6), "10 GbE": (15e-6, 1.17e9), "Thunderbolt bridge": (8e-6, 2.5e9)}
 ROUND_PROBE = """
@@ -127,6 +139,79 @@ def modelled(rows: list[dict], loopback_round: float) -> dict:
     return out
 
 
+def engine_row(shard: str | None, max_tokens: int, reference: dict) -> dict:
+    """``mlxspec batch`` on PROMPT alone (chat template, plain decoding), as one process or on
+    two ranks, against ``reference``: the generate row of the same configuration."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts, out = Path(tmp) / "prompts.jsonl", Path(tmp) / "out.jsonl"
+        prompts.write_text(json.dumps({"id": "edit", "messages": [
+            {"role": "user", "content": PROMPT}]}) + "\n")
+        args = ["batch", str(prompts), "-o", str(out), "--temp", "0", "--max-tokens",
+                str(max_tokens), "--batch-size", "1", "--draft", "none"]
+        command = [MLXSPEC, *args] if shard is None else [
+            LAUNCH, "--backend", "ring", "-n", "2", "--", MLXSPEC, *args, "--shard", shard]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if not out.is_file():
+            raise SystemExit(f"error: {shard or 'one process'} batch failed: {done.stderr[-500:]}")
+        result = json.loads(out.read_text())
+        seconds = json.loads(done.stderr.strip().splitlines()[-1])["seconds"]
+    job = (reference["prompt_tokens"] / reference["prompt_tps"]
+           + reference["generation_tokens"] / reference["generation_tps"])
+    return {"config": f"{shard or 'one process'}{'-2' if shard else ''} batch",
+            "text_matches": result["text"] == reference["text"],
+            "tokens": result["completion_tokens"], "job_seconds": seconds,
+            "generate_job_seconds": round(job, 3),
+            "engine_over_generate": round(job / seconds, 2)}
+
+
+def idle_cpu(tick: str) -> dict:
+    """CPU seconds each rank of ``serve --shard pipeline`` uses in IDLE_SECONDS with no request
+    (``MLXSPEC_SHARD_IDLE_TICK=tick``). The two ranks are started as ``mlx.launch`` starts them
+    (a hostfile and MLX_RANK), to read each one's CPU time."""
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        hostfile = Path(tmp) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:2]]))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+        ranks = [subprocess.Popen(
+            [MLXSPEC, "serve", "--port", str(ports[2]), "--shard", "pipeline"],
+            env={**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank),
+                 "MLXSPEC_SHARD_IDLE_TICK": tick},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in range(2)]
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/health", timeout=2)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit("error: the sharded server did not start") from None
+                    time.sleep(0.5)
+            time.sleep(1.0)  # the start-up's last steps
+            before = [_cpu_seconds(p.pid) for p in ranks]
+            time.sleep(IDLE_SECONDS)
+            used = [round(_cpu_seconds(p.pid) - b, 2) for p, b in zip(ranks, before, strict=True)]
+            ranks[0].send_signal(signal.SIGTERM)
+            for p in ranks:
+                p.wait(timeout=60)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+    return {"idle_tick_seconds": float(tick), "rank0_cpu_seconds": used[0],
+            "rank1_cpu_seconds": used[1], "idle_seconds": IDLE_SECONDS}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -138,7 +223,7 @@ def main() -> None:
     base = ["generate", "-p", PROMPT, "--temp", "0", "--max-tokens", str(opts.max_tokens),
             "--json"]
     drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"]}
-    rows, texts = [], {}
+    rows, texts, results_by_name = [], {}, {}
     for shard in (None, "tensor", "pipeline"):
         for kind, extra in drafting.items():
             name = f"{shard or 'one process'}-2 {kind}".replace("one process-2", "one process")
@@ -146,10 +231,17 @@ def main() -> None:
             result = run([*base, *extra], shard)
             r = row(name, result)
             r["wall_seconds"] = round(time.perf_counter() - tic, 1)
-            texts[name] = result["text"]
+            texts[name], results_by_name[name] = result["text"], result
             r["text_matches"] = result["text"] == texts["one process plain"]
             rows.append(r)
             print(json.dumps(r), flush=True)
+    engine_rows = []
+    for shard in (None, "tensor", "pipeline"):
+        name = f"{shard}-2 plain" if shard else "one process plain"
+        engine_rows.append(engine_row(shard, opts.max_tokens, results_by_name[name]))
+        print(json.dumps(engine_rows[-1]), flush=True)
+    idle = [idle_cpu(tick) for tick in ("0", "0.05")]
+    print(json.dumps(idle), flush=True)
     loopback = round_seconds()
     by_name = {r["config"]: r for r in rows}
     ratios = {shard: round(by_name[f"{shard}-2 prompt lookup"]["tokens_per_second"]
@@ -162,6 +254,8 @@ def main() -> None:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "model": "SmolLM2-135M-Instruct (the default model, float32 on this CPU)",
         "rows": rows,
+        "engine_rows": engine_rows,
+        "idle_serve": idle,
         "loopback_round_seconds": loopback,
         "speculative_over_plain": ratios,
         "goal_speculative_over_plain": 1.3,

@@ -19,13 +19,15 @@ rank's layer all-reduce).
 A follower waiting inside a collective spins (MLX's ring backend polls its sockets: about 70 %
 of a core on this machine). So while rank 0 waits for input, a :class:`Ticker` sends ``TICK``
 every ``IDLE_TICK_S``, and a follower sleeps as long after each tick before it waits again
-(about 8 % of a core measured with 50 ms ticks). Its cost: a message arriving during a
-follower's sleep waits for it (at most ``IDLE_TICK_S``).
+(bench/distributed.py measures both). Its cost: a message arriving during a follower's sleep
+waits for it (at most ``IDLE_TICK_S``). ``MLXSPEC_SHARD_IDLE_TICK`` sets the tick in seconds
+(0: no ticks, followers spin).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -40,7 +42,7 @@ MESSAGE = 1  # a JSON payload follows
 STEP = 2  # the engine steps (no payload)
 STEP_SOLO = 3  # the engine steps, its lone stream moving to speculative decoding
 TICK = 4  # rank 0 still waits for input (no payload): sleep, then wait again
-IDLE_TICK_S = 0.05
+IDLE_TICK_S = float(os.environ.get("MLXSPEC_SHARD_IDLE_TICK", "0.05"))
 
 
 def _all_sum(values: np.ndarray, group: mx.distributed.Group) -> np.ndarray:
@@ -101,7 +103,8 @@ class Ticker:
         """Rank 0 waits for input from now on. The caller's forward passes finish first: the
         ticks run on another thread's stream, which nothing orders after them."""
         mx.synchronize(generation_stream)
-        self._idle.set()
+        if IDLE_TICK_S > 0:
+            self._idle.set()
 
     def busy(self) -> None:
         """Rank 0 sends a message next: stop ticking (after the tick under way, if any)."""
