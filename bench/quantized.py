@@ -218,7 +218,8 @@ def calibration_set_file(name: str, which: str, out_root: str,
                          amount: tuple[int, int] | None = None) -> str:
     """The calibration text every tool of the anchor comparison reads: ``austen`` (the old
     one-author text, ``data/calibration.txt``), ``mix`` (mlxspec's built-in set: prose, code,
-    technical and the float model's own answers to the built-in prompts, ``amount`` = (windows,
+    technical and the float model's own answers to the built-in prompts -- none for a model without
+    a chat template, as in ``mlxspec quantize`` --, ``amount`` = (windows,
     tokens) -- mlxspec's default 32 x 256 when None -- decoded to text, so that mlx-lm's tools
     read the very same set), or a file."""
     from pathlib import Path
@@ -238,8 +239,11 @@ def calibration_set_file(name: str, which: str, out_root: str,
         model, tokenizer = load(str(resolve_model_path(model_spec(name))))
         from mlxspec.publish.self_calibration import generate_conversations
 
-        conversations = generate_conversations(
-            model, tokenizer, calibration_set.chat_prompts_needed(windows, tokens), progress=True)
+        conversations = None  # as mlxspec's quantize flow: no chat template, no chat domain
+        if getattr(tokenizer, "chat_template", None):
+            conversations = generate_conversations(
+                model, tokenizer, calibration_set.chat_prompts_needed(windows, tokens),
+                progress=True)
         cut, _ = calibration_set.mixed_windows(tokenizer, conversations=conversations,
                                                windows=windows, window_tokens=tokens)
         path.parent.mkdir(parents=True, exist_ok=True)
