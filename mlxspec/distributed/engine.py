@@ -38,7 +38,7 @@ from mlxspec.distributed.follow import (
     receive_action,
     send,
 )
-from mlxspec.distributed.group import waiting_for_input
+from mlxspec.distributed.group import lost_peer, peer_lost_error, waiting_for_input
 from mlxspec.serving.engine import Engine
 from mlxspec.serving.requests import Event, Request
 
@@ -90,7 +90,9 @@ class LeadingEngine(_Mirrored):
         try:
             send(code, message, self.group)
         except RuntimeError as e:
-            _end_job(e)
+            if lost_peer(e):
+                _end_job(e)
+            raise
 
     def _idle(self) -> None:
         """While no stream is open (the job waits for requests): tick, and pause the watchdog."""
@@ -126,7 +128,9 @@ class LeadingEngine(_Mirrored):
         try:
             events = super().step()
         except RuntimeError as e:  # a lost rank: the server must not go on without it
-            _end_job(e)
+            if lost_peer(e):
+                _end_job(e)
+            raise
         self._idle()
         return events
 
@@ -141,8 +145,7 @@ def _end_job(e: RuntimeError) -> NoReturn:
     """A sharded job whose engine call failed (a rank went away) ends: one ``error:`` line, exit
     status 2 (a server's engine thread would otherwise fail each request and serve on)."""
     sys.stdout.flush()
-    sys.__stderr__.write(f"error: a rank of the group failed or went away ({str(e).strip()}); "
-                         "check the other ranks' output and hosts and rerun\n")
+    sys.__stderr__.write(f"error: {peer_lost_error(e)}\n")
     sys.__stderr__.flush()
     os._exit(2)
 
@@ -174,7 +177,11 @@ def follow_engine(model: nn.Module, tokenizer: Any, draft: Any = None,
             return
         if code in (STEP, STEP_SOLO):
             engine.solo = code == STEP_SOLO
-            engine.step()
+            try:
+                engine.step()
+            except Exception as e:  # noqa: BLE001  rank 0's step failed alike; its caller goes on
+                if lost_peer(e):
+                    raise
             continue
         op = message["op"]
         if op == "open":

@@ -151,6 +151,18 @@ def barrier(group: mx.distributed.Group | None = None) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group or mx.distributed.init()))
 
 
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because a peer went away (MLX raises a
+    ``RuntimeError`` naming its backend)."""
+    return isinstance(e, RuntimeError) and ("[ring]" in str(e) or "distributed" in str(e).lower())
+
+
+def peer_lost_error(e: RuntimeError) -> DistributedError:
+    """The one-line error of a run whose peer went away (``e``: the collective's error)."""
+    return DistributedError(f"a rank of the group failed or went away ({str(e).strip()}); check "
+                            "the other ranks' output and hosts and rerun")
+
+
 @contextlib.contextmanager
 def sharded_run(mode: str | None) -> Iterator[None]:
     """Around a command run with ``--shard mode`` (nothing without): a lost peer becomes one
@@ -164,9 +176,7 @@ def sharded_run(mode: str | None) -> Iterator[None]:
         barrier()
         raise
     except RuntimeError as e:
-        if "[ring]" in str(e) or "distributed" in str(e).lower():
-            raise DistributedError(
-                f"a rank of the group failed or went away ({str(e).strip()}); check the other "
-                "ranks' output and hosts and rerun") from e
+        if lost_peer(e):
+            raise peer_lost_error(e) from e
         raise
     barrier()
