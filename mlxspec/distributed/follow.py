@@ -16,10 +16,10 @@ already queued there: each rank's collectives then pair in program order, which 
 the same on every rank (collectives on two streams could pair one rank's message with another
 rank's layer all-reduce).
 
-A follower waiting inside a collective spins (MLX's ring backend polls its sockets: about 70 %
-of a core on this machine). So while rank 0 waits for input, a :class:`Ticker` sends ``TICK``
-every ``IDLE_TICK_S``, and a follower sleeps as long after each tick before it waits again
-(bench/distributed.py measures both). Its cost: a message arriving during a follower's sleep
+A follower waiting inside a collective spins (MLX's ring backend polls its sockets: a whole
+core). So while rank 0 waits for input, a :class:`Ticker` sends ``TICK`` every ``IDLE_TICK_S``,
+and a follower sleeps as long after each tick before it waits again (bench/distributed.py
+measures both: ``idle_serve``). Its cost: a message arriving during a follower's sleep
 waits for it (at most ``IDLE_TICK_S``). ``MLXSPEC_SHARD_IDLE_TICK`` sets the tick in seconds
 (0: no ticks, followers spin).
 """
