@@ -124,8 +124,8 @@ def _group() -> dict[str, Any] | str:
     else one line saying it runs alone."""
     if not any(os.environ.get(v) for v in ("MLX_HOSTFILE", "MLX_IBV_DEVICES",
                                            "OMPI_COMM_WORLD_SIZE")):
-        return "one process (mlx.launch ... mlxspec generate --shard tensor|pipeline: "\
-               "docs/distributed.md)"
+        return ("one process (mlx.launch ... mlxspec generate|chat|serve|batch|bench "
+                "--shard tensor|pipeline: docs/distributed.md)")
     try:
         from mlxspec.distributed import group_report
 
