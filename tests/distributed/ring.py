@@ -39,10 +39,11 @@ def environment(**extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def ring(args: list[str], tmp_path: Path, ranks: int = 2, stdin: bool = False,
+         program: tuple[str, ...] = (MLXSPEC,),
          **extra_env: str) -> Iterator[list[subprocess.Popen]]:
-    """``mlxspec *args`` on ``ranks`` ring processes; every one is killed when the block ends.
-    ``stdin``: each rank reads a pipe (``communicate(input)``; ``mlx.launch`` gives every rank
-    the same input), else nothing."""
+    """``mlxspec *args`` (or ``*program, *args``) on ``ranks`` ring processes; every one is
+    killed when the block ends. ``stdin``: each rank reads a pipe (``communicate(input)``;
+    ``mlx.launch`` gives every rank the same input), else nothing."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
     procs = []
@@ -50,7 +51,7 @@ def ring(args: list[str], tmp_path: Path, ranks: int = 2, stdin: bool = False,
         for rank in range(ranks):
             env = environment(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), **extra_env)
             procs.append(subprocess.Popen(
-                [MLXSPEC, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                [*program, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True,
                 start_new_session=True))
         yield procs
