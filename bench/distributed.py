@@ -20,8 +20,9 @@ with them (the default).
 Each row records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
 collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
-pipeline: one all-sum per stage) times passes per token. Speculation verifies several tokens per
-pass, so it divides the rounds per token by its tokens per pass.
+pipeline: one all-sum per stage; a speculative pass one more, rank 0's proposals) times passes per
+token. Speculation verifies several tokens per pass, so it divides the rounds per token by its
+tokens per pass.
 
 What loopback cannot show is a real network's latency. The run measures one round on loopback
 (an all-sum of one hidden row: the 10th percentile of many, since on a loaded machine the median
@@ -103,7 +104,10 @@ def row(name: str, result: dict) -> dict:
     tokens = result["generation_tokens"]
     spec = result.get("speculative") or {}
     passes = spec.get("target_passes", tokens)
-    rounds = rounds_per_pass(result) * passes / tokens
+    per_pass = rounds_per_pass(result)
+    if spec and per_pass:  # rank 0 alone drafts: its proposals reach the others in one all-sum
+        per_pass += 1
+    rounds = per_pass * passes / tokens
     return {"config": name, "text_matches": None, "tokens": tokens,
             "tokens_per_second": round(result["generation_tps"], 2), "target_passes": passes,
             "tokens_per_pass": round(tokens / passes, 2),

@@ -18,7 +18,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.pipeline import PipelineMixin
 
+from mlxspec.distributed.drafting import share_drafter
 from mlxspec.distributed.group import DistributedError, Watchdog, init_group, silence_followers
+from mlxspec.speculative.drafters import Drafter
 
 SHARD_MODES = ("tensor", "pipeline")
 
@@ -110,13 +112,18 @@ def shard_pipeline(model: nn.Module, group: mx.distributed.Group) -> str:
 
 
 class _Beating:
-    """Mixed into a sharded model's class: every forward pass tells the watchdog it started."""
+    """Mixed into a sharded model's class: every forward pass tells the watchdog it started, and
+    the speculative loop drafts on rank 0 alone (``share_drafter``)."""
 
     watchdog: Watchdog
 
     def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
         self.watchdog.beat()
         return super().__call__(*args, **kwargs)
+
+    def share_drafter(self, draft: Drafter) -> Drafter:
+        """``draft`` proposing on rank 0 only, its proposals sent to the other ranks."""
+        return share_drafter(draft, mx.distributed.init())
 
 
 def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> str:

@@ -190,6 +190,11 @@ def speculative_generate_step(
     reason = unsupported_reason(prompt_cache, draft)
     if reason is not None:
         raise UnsupportedModelError(f"speculative decoding cannot run: {reason}")
+    # A sharded target (mlxspec.distributed) drafts on rank 0 alone and sends the proposals to
+    # the other ranks, without the distributions q, which greedy and seeded verification never read.
+    share = getattr(model, "share_drafter", None)
+    if share is not None and (sampling.greedy or seed is not None):
+        draft = share(draft)
     model = draft.target_model(model)  # a feature draft reads the verifying pass's hidden states
     processors = logits_processors or None
     seeded = seed is not None and not sampling.greedy
