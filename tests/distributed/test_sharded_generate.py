@@ -1,6 +1,6 @@
 """A target sharded over two real ring processes on loopback (``--shard tensor|pipeline``): the
-same greedy text as one process, plain and speculative (prompt lookup, drafted on every rank
-alike); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero
+same greedy text as one process, plain and speculative (prompt lookup, drafted on rank 0 and
+sent to the other); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero
 exit, not a hang.
 
 Each case is one short run of the default model (a few tokens): the ring's two processes share
