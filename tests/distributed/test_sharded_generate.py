@@ -1,7 +1,7 @@
 """A target sharded over two real ring processes on loopback (``--shard tensor|pipeline``): the
 same greedy text as one process, plain and speculative (prompt lookup, drafted on rank 0 and
-sent to the other); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a non-zero
-exit, not a hang.
+sent to the other); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a
+non-zero exit, not a hang.
 
 Each case is one short run of the default model (a few tokens): the ring's two processes share
 this machine's cores with everything else, so every wait is bounded and no rank outlives a test.
