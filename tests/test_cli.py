@@ -57,7 +57,12 @@ def test_generate_json_on_the_default_model(smollm2_dir):
     out = json.loads(result.stdout)
     assert "Paris" in out["text"]
     assert 0 < out["generation_tokens"] <= 16 and out["generation_tps"] > 0
-    assert out["model_bytes"] > 100e6
+    # the weights read per token: the GGUF's packed blocks (~99 MB) or their float32 copy
+    # (~538 MB), as this machine imports GGUF files (mlxspec.gguf.tensors.import_mode)
+    from mlxspec.gguf.tensors import import_mode
+
+    packed = import_mode() == "quantized"
+    assert (90e6 < out["model_bytes"] < 110e6) if packed else (500e6 < out["model_bytes"] < 560e6)
 
 
 def test_generate_streams_text_then_a_stats_line(smollm2_dir):

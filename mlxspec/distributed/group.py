@@ -147,8 +147,15 @@ def agreed_decoding(num_draft_tokens: int | str, seed: int | None,
 
 def barrier(group: mx.distributed.Group | None = None) -> None:
     """Wait for every rank: a rank that exits while a peer still has a collective in flight
-    (the decode loop evaluates one step ahead) would cut that peer's connection."""
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group or mx.distributed.init()))
+    (the decode loop evaluates one step ahead) would cut that peer's connection. The sum runs
+    on the generation stream, behind that step's collectives on every rank: on another stream
+    it could pair with a peer's in-flight stage sum instead, and both ranks would wait forever
+    (seen once under load, at the end of a pipeline run)."""
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        total = mx.distributed.all_sum(mx.array(1), group=group or mx.distributed.init())
+        mx.eval(total)
 
 
 def lost_peer(e: BaseException) -> bool:
