@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.distributed.follow import _all_sum
+from mlxspec.distributed.group import ordered_all_sum
 from mlxspec.speculative.drafters import Draft, Drafter
 
 
@@ -61,7 +61,7 @@ class SharedDrafter(Drafter):
             draft = self.inner.propose(k, sampling, logits_processor, keys)
             tokens, caught_up = draft.tokens[:k], draft.caught_up
             words[0], words[1:1 + len(tokens)] = len(tokens), tokens
-        shared = _all_sum(words, self.group)
+        shared = ordered_all_sum(words, self.group)
         return Draft(mx.array(shared[1:1 + int(shared[0])], mx.uint32), caught_up=caught_up)
 
     def unseen(self) -> int:

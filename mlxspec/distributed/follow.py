@@ -36,6 +36,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from mlxspec.distributed.group import ordered_all_sum
+
 # Codes of the header: what the message is.
 END = 0  # the leader is done: followers return
 MESSAGE = 1  # a JSON payload follows
@@ -43,13 +45,6 @@ STEP = 2  # the engine steps (no payload)
 STEP_SOLO = 3  # the engine steps, its lone stream moving to speculative decoding
 TICK = 4  # rank 0 still waits for input (no payload): sleep, then wait again
 IDLE_TICK_S = float(os.environ.get("MLXSPEC_SHARD_IDLE_TICK", "0.05"))
-
-
-def _all_sum(values: np.ndarray, group: mx.distributed.Group) -> np.ndarray:
-    with mx.stream(generation_stream):
-        total = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=group)
-        mx.eval(total)
-    return np.array(total, dtype=np.int32)
 
 
 def send(code: int, message: dict[str, Any] | None = None,
@@ -60,19 +55,19 @@ def send(code: int, message: dict[str, Any] | None = None,
     """
     group = group or mx.distributed.init()
     data = json.dumps(message, ensure_ascii=False).encode() if message is not None else b""
-    _all_sum(np.array([len(data), code], np.int32), group)
+    ordered_all_sum(np.array([len(data), code], np.int32), group)
     if data:
         words = np.frombuffer(data + b"\0" * (-len(data) % 4), dtype="<i4")
-        _all_sum(words, group)
+        ordered_all_sum(words, group)
 
 
 def receive(group: mx.distributed.Group | None = None) -> tuple[int, dict[str, Any] | None]:
     """On a follower: the next ``(code, message)`` rank 0 sends (blocks until it does)."""
     group = group or mx.distributed.init()
-    nbytes, code = (int(v) for v in _all_sum(np.zeros(2, np.int32), group))
+    nbytes, code = (int(v) for v in ordered_all_sum(np.zeros(2, np.int32), group))
     if nbytes == 0:
         return code, None
-    words = _all_sum(np.zeros((nbytes + 3) // 4, np.int32), group)
+    words = ordered_all_sum(np.zeros((nbytes + 3) // 4, np.int32), group)
     return code, json.loads(words.astype("<i4").tobytes()[:nbytes].decode())
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxspec.errors import MlxspecError
 
@@ -145,17 +146,26 @@ def agreed_decoding(num_draft_tokens: int | str, seed: int | None,
     return k, int(shared.item())
 
 
-def barrier(group: mx.distributed.Group | None = None) -> None:
-    """Wait for every rank: a rank that exits while a peer still has a collective in flight
-    (the decode loop evaluates one step ahead) would cut that peer's connection. The sum runs
-    on the generation stream, behind that step's collectives on every rank: on another stream
-    it could pair with a peer's in-flight stage sum instead, and both ranks would wait forever
-    (seen once under load, at the end of a pipeline run)."""
+def ordered_all_sum(values: np.ndarray, group: mx.distributed.Group | None = None) -> np.ndarray:
+    """The int32 all-sum of ``values`` over the group (default: the global one), evaluated on
+    mlx-lm's generation stream, behind the forward passes already queued there: every rank's
+    collectives then pair in program order (on another stream a sum could pair with a peer's
+    in-flight stage sum instead, and both ranks would wait forever)."""
     from mlx_lm.generate import generation_stream
 
     with mx.stream(generation_stream):
-        total = mx.distributed.all_sum(mx.array(1), group=group or mx.distributed.init())
+        total = mx.distributed.all_sum(mx.array(values, dtype=mx.int32),
+                                       group=group or mx.distributed.init())
         mx.eval(total)
+    return np.array(total, dtype=np.int32)
+
+
+def barrier(group: mx.distributed.Group | None = None) -> None:
+    """Wait for every rank: a rank that exits while a peer still has a collective in flight
+    (the decode loop evaluates one step ahead) would cut that peer's connection. Ordered behind
+    that step's collectives (:func:`ordered_all_sum`; unordered, the end of a pipeline run hung
+    once under load)."""
+    ordered_all_sum(np.ones(1, np.int32), group)
 
 
 def lost_peer(e: BaseException) -> bool:
