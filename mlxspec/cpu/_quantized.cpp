@@ -285,9 +285,12 @@ constexpr bool HAS_VNNI = true;
  * each of the 16 int32 lanes vpdpbusd sums 4 bytes into. */
 template <int BITS>
 constexpr int block_weights() { return 64 * 8 / BITS; }
+/* log2 of a group size (32, 64 or 128): group indices by shift, no division per block. */
+inline int group_shift(int group) { return group == 32 ? 5 : group == 64 ? 6 : 7; }
+
 template <int BITS>
 inline __m512i lane_groups(int group) {
-  const int shift = group == 32 ? 5 : group == 64 ? 6 : 7;
+  const int shift = group_shift(group);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i first = BITS == 4 ? _mm512_slli_epi32(_mm512_srli_epi32(lane, 2), 5)  // (l / 4) * 32
                                   : _mm512_slli_epi32(lane, 2);                      // 4 * l
@@ -377,7 +380,7 @@ __attribute__((always_inline)) inline void block_q8(const Job &j, int m0, int n0
 template <int BITS, int R, int C>
 void tile_q8(const Job &j, int m0, int n0, const float *sb) {
   const __m512i idx = lane_groups<BITS>(j.group);
-  const int gshift = j.group == 32 ? 5 : j.group == 64 ? 6 : 7;  // no division per block
+  const int gshift = group_shift(j.group);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
