@@ -30,8 +30,6 @@ def shard_option(f):
     def run(*args, **kwargs):
         if kwargs.get("shard") is None:
             return f(*args, **kwargs)
-        if kwargs["shard"] == "pipeline":
-            _no_feature_draft(kwargs)
         from mlxspec.distributed import sharded_run
 
         with sharded_run(kwargs["shard"]):
@@ -41,22 +39,6 @@ def shard_option(f):
         "--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
         help="Shard the model over the processes of `mlx.launch` (see docs/distributed.md).",
     )(run)
-
-
-def _no_feature_draft(kwargs: dict) -> None:
-    """A feature draft (EAGLE-3 head) reads the hidden states entering several layers, and a
-    pipeline rank runs only its own layers: under ``--shard pipeline`` the default ``--draft
-    auto`` means no feature draft, and a named head is refused."""
-    meta = click.get_current_context().meta
-    chosen = kwargs.get("draft", meta.get("mlxspec.draft", "none"))
-    if chosen not in ("auto", "none"):
-        raise InvalidArgumentError(
-            f"--draft {chosen}: a feature draft needs every layer's hidden states, which "
-            "--shard pipeline splits across ranks; use --shard tensor, --prompt-lookup or "
-            "--draft-model")
-    meta["mlxspec.draft"] = "none"
-    if "draft" in kwargs:  # mlxspec bench's own --draft
-        kwargs["draft"] = "none"
 
 
 def _finite(ctx, param, value):

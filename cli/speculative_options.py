@@ -58,16 +58,23 @@ def load_draft(draft_model: str | None):
     ``--draft`` feature draft (``(FeatureDraft, None)``, built for the target by
     ``make_drafter``) or ``(None, None)``.
 
-    The tokenizer lets the library check that the draft shares the target's tokenizer.
+    The tokenizer lets the library check that the draft shares the target's tokenizer. With
+    ``--shard``, the ranks other than 0 load no draft model: rank 0 alone drafts.
     """
+    ctx = click.get_current_context(silent=True)
     if draft_model is None:  # a feature draft, unless prompt lookup or --draft none
-        ctx = click.get_current_context(silent=True)
         choice = ctx.meta.get("mlxspec.draft", "none") if ctx is not None else "none"
         if choice == "none" or ctx.params.get("prompt_lookup"):
             return None, None
         from mlxspec.speculative import FeatureDraft
 
         return FeatureDraft(choice), None
+    if ctx is not None and ctx.params.get("shard") is not None:
+        from mlxspec.distributed import is_primary
+        from mlxspec.distributed.drafting import Rank0Draft
+
+        if not is_primary():
+            return Rank0Draft(), None
     from mlxspec.load import load
 
     return load(draft_model)

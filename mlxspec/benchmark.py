@@ -150,9 +150,9 @@ def compare_decode(
     runs: dict[str, list[dict[str, float]]] = {"mlx_lm": [], "mlxspec": []}
     drafter = None
     if draft not in (None, "none"):
-        from mlxspec.speculative import make_feature_drafter
+        from mlxspec.speculative import FeatureDraft, make_drafter
 
-        drafter = make_feature_drafter(draft, model, tokenizer)
+        drafter = make_drafter(tokenizer, model, draft_model=FeatureDraft(draft))
         if drafter is not None:
             runs["draft"] = []
     for engine in runs:  # warm-up

@@ -1,22 +1,30 @@
-"""Speculation with a sharded target, drafted on rank 0 alone: rank 0's drafter proposes, the
-proposals reach the other ranks in one all-sum per pass, and every rank verifies the same tokens
-in the same sharded pass. The accepted tokens follow from the verification, which each rank
-computes alike, so every rank's caches stay the same without another message.
+"""Speculation with a sharded target, drafted on rank 0 alone: rank 0 builds and runs the
+drafter (a draft model, prompt lookup, a feature draft), its proposals reach the other ranks in
+one all-sum per pass, and every rank verifies the same tokens in the same sharded pass. The
+accepted tokens follow from the verification, which each rank computes alike, so every rank's
+caches stay the same without another message.
 
 The message is one int32 vector of ``k + 1`` words, ``[n, d1..dn, 0...]``, to which only rank 0
 contributes (the others add zeros, so the sum is exact), sent as :mod:`follow`'s messages are: on
 the stream of the forward passes, so it pairs with the same collective on every rank.
+
+The other ranks hold a :class:`FollowerDrafter` instead of the drafter (no draft model loaded,
+no head): :func:`drafter_on_rank_0` builds the drafter on rank 0 and sends the little the others
+need, once. A feature draft reads the hidden states of the verifying pass: every rank runs the
+same tapped forward (a pipeline's taps ride its stage sums, :mod:`.shard`), and only rank 0
+keeps them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.distributed.group import ordered_all_sum
+from mlxspec.distributed.follow import MESSAGE, receive, send
+from mlxspec.distributed.group import DistributedError, ordered_all_sum
 from mlxspec.speculative.drafters import Draft, Drafter
 
 
@@ -25,8 +33,9 @@ class SharedDrafter(Drafter):
 
     Only the proposed tokens travel, not the distributions they were drawn from: use it where
     verification does not read them (greedy decoding, or seeded sampling, as every sharded run
-    samples: :func:`~mlxspec.distributed.agreed_decoding`). Rank 0's context is the inner
-    drafter's own; the followers' inner drafter is left untouched.
+    samples: ``mlxspec.speculative.loop`` seeds an unseeded one from MLX's generator, seeded
+    alike on every rank). Rank 0's context is the inner drafter's own; the followers' inner
+    drafter (a :class:`FollowerDrafter`) is left untouched.
     """
 
     def __init__(self, inner: Drafter, group: mx.distributed.Group) -> None:
@@ -71,14 +80,85 @@ class SharedDrafter(Drafter):
     def unsupported_reason(self) -> str | None:
         return self.inner.unsupported_reason()
 
+    def target_model(self, model: Any) -> Any:
+        """Rank 0: the inner drafter's (a feature draft's tapped forward, which keeps the hidden
+        states); the others: the same forward without keeping them (its collectives must pair
+        with rank 0's), or ``model`` itself."""
+        target = self.inner.target_model(model)
+        taps = getattr(target, "taps", None)
+        if self.leader or taps is None:
+            return target
+        return FollowerTarget(model, taps)
+
     def reset(self) -> None:
         self.inner.reset()
 
 
-def share_drafter(draft: Drafter, group: mx.distributed.Group) -> Drafter:
-    """``draft`` drafting on rank 0 alone (:class:`SharedDrafter`), or ``draft`` itself where it
-    reads the target's own pass (a feature draft taps the hidden states every rank computes:
-    each rank drafts alike there)."""
-    if type(draft).target_model is not Drafter.target_model:
-        return draft
-    return SharedDrafter(draft, group)
+class FollowerTarget:
+    """On a rank other than 0: the target as a feature draft's verifying pass runs it
+    (``model.tapped_forward`` with the head's ``taps``), keeping no hidden state."""
+
+    def __init__(self, model: Any, taps: Sequence[int]) -> None:
+        self.model, self.taps = model, list(taps)
+
+    def __getattr__(self, name: str) -> Any:  # layers, args, make_cache: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, **kwargs: Any) -> mx.array:
+        return self.model.tapped_forward(inputs, cache, self.taps)[0]
+
+
+class FollowerDrafter(Drafter):
+    """What a rank other than 0 holds for rank 0's drafter: its name, whether it can run (rank
+    0's ``unsupported_reason``) and, for a feature draft, the taps the verifying pass computes.
+    It drafts nothing (:class:`SharedDrafter` hands it rank 0's proposals): no model, no head."""
+
+    def __init__(self, name: str, reason: str | None, taps: Sequence[int] | None) -> None:
+        super().__init__()
+        self.name, self.reason = name, reason
+        self.taps = None if taps is None else list(taps)
+
+    def propose(self, k: int, sampling: Any, logits_processor: Any = None,
+                keys: Any = None) -> Draft:
+        raise RuntimeError("a follower drafted: a sharded target's speculation must go through "
+                           "its share_drafter (mlxspec.speculative.loop)")
+
+    def unsupported_reason(self) -> str | None:
+        return self.reason
+
+    def target_model(self, model: Any) -> Any:
+        return model if self.taps is None else FollowerTarget(model, self.taps)
+
+
+class Rank0Draft:
+    """Stands, on the ranks other than 0, for the draft model they do not load: passed as
+    ``draft_model`` where rank 0 passes the loaded one (:func:`drafter_on_rank_0` never reads it)."""
+
+
+def drafter_on_rank_0(build: Callable[[], Drafter | None], model: Any,
+                      group: mx.distributed.Group) -> Drafter | None:
+    """``build()`` on rank 0, and a :class:`FollowerDrafter` of it on the others, which learn
+    what they need in one message (or rank 0's error, raised alike; or that there is none).
+
+    Called by every rank at the same point (``mlxspec.speculative.make_drafter``).
+    """
+    if group.rank() != 0:
+        _, message = receive(group)
+        if "error" in message:
+            raise DistributedError(f"rank 0 could not build its drafter: {message['error']}")
+        if message.get("none"):
+            return None
+        return FollowerDrafter(message["name"], message["reason"], message["taps"])
+    try:
+        drafter = build()
+        if drafter is None:
+            message = {"none": True}
+        else:
+            target = drafter.target_model(model)
+            message = {"name": drafter.name, "reason": drafter.unsupported_reason(),
+                       "taps": getattr(target, "taps", None)}
+    except Exception as e:
+        send(MESSAGE, {"error": str(e).strip() or type(e).__name__}, group)
+        raise
+    send(MESSAGE, message, group)
+    return drafter

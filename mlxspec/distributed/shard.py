@@ -9,18 +9,27 @@ whole on every rank and splits only the MLP (one all-reduce per layer instead of
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.pipeline import PipelineMixin
 
-from mlxspec.distributed.drafting import share_drafter
-from mlxspec.distributed.group import DistributedError, Watchdog, init_group, silence_followers
+from mlxspec.distributed.drafting import SharedDrafter, drafter_on_rank_0
+from mlxspec.distributed.group import (
+    DistributedError,
+    Watchdog,
+    init_group,
+    ordered_all_sum,
+    silence_followers,
+)
 from mlxspec.speculative.drafters import Drafter
+from mlxspec.speculative.feature import head_logits, layered_forward
 
 SHARD_MODES = ("tensor", "pipeline")
 
@@ -58,27 +67,56 @@ class PipelineLlamaModel(PipelineMixin, llama.LlamaModel):
     owner contributes (the others add zeros, so the sum is exact): every rank then holds the
     stage's hidden state (batch, seq, hidden). Only all-sums, no send/recv; each rank's sums
     are chained (a non-owner's zeros depend on the previous sum), so every rank runs them in the
-    same order."""
+    same order. ``stage_bounds[r]``: the layers ``(start, end)`` rank r runs."""
+
+    stage_bounds: list[tuple[int, int]]
 
     def __call__(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
+        return self.tapped(inputs, cache, (), input_embeddings)[0]
+
+    def tapped(self, inputs: mx.array, cache: Any = None, taps: Sequence[int] = (),
+               input_embeddings: mx.array | None = None) -> tuple[mx.array, list[mx.array]]:
+        """The final norm's output (batch, seq, hidden) and, on rank 0 (the rank that drafts),
+        the hidden states entering the layers ``taps`` (layer count: the last layer's output),
+        each (batch, seq, hidden); [] on the other ranks.
+
+        A tap inside another rank's stage rides that stage's all-sum (concatenated after the
+        hidden state, zeros from the other ranks): no collective round of its own. A tap at a
+        stage's first layer is the previous sum, which every rank holds.
+        """
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         rank, size = self.pipeline_rank, self.pipeline_size
         cache = cache if cache is not None else [None] * len(self.pipeline_layers)
         mask = create_attention_mask(h, cache[0])
+        width, taken = h.shape[-1], {}
         for stage in reversed(range(size)):
+            start, end = self.stage_bounds[stage]
+            taken.update((j, h) for j in taps if j == start)
+            # Rank 0's own taps stay on rank 0; another stage's travel with its sum.
+            riding = [j for j in taps if start < j < end] if stage != 0 else []
             if stage == rank:
-                for layer, c in zip(self.pipeline_layers, cache, strict=True):
+                for i, (layer, c) in enumerate(zip(self.pipeline_layers, cache, strict=True)):
+                    if start < start + i in taps:
+                        taken[start + i] = h
                     h = layer(h, mask, cache=c)
-            # The zeros depend on h, the previous stage's sum: without it nothing orders a
-            # rank's all-sums of zeros after its earlier ones, the ranks could pair different
-            # stages' sums, and the group hung or computed garbage.
-            h = mx.distributed.all_sum(h if stage == rank else mx.depends(mx.zeros_like(h), h))
+                payload = mx.concatenate([h, *(taken[j] for j in riding)], axis=-1) if riding else h
+            else:
+                # The zeros depend on h, the previous stage's sum: without it nothing orders a
+                # rank's all-sums of zeros after its earlier ones, the ranks could pair
+                # different stages' sums, and the group hung or computed garbage.
+                shape = (*h.shape[:-1], width * (1 + len(riding)))
+                payload = mx.depends(mx.zeros(shape, h.dtype), h)
+            total = mx.distributed.all_sum(payload)
+            h = total[..., :width] if riding else total
+            taken.update((j, total[..., (n + 1) * width:(n + 2) * width])
+                         for n, j in enumerate(riding))
+        taken.update((j, h) for j in taps if j == self.stage_bounds[0][1])
         if cache[-1] is not None:
             # Every rank evaluates every stage's all-sum whenever it evaluates its caches
             # (prefill) or the logits: a collective one rank skipped would block the other.
             cache[-1].keys = mx.depends(cache[-1].keys, h)
-        return self.norm(h)
+        return self.norm(h), [taken[j] for j in taps] if rank == 0 else []
 
 
 class PipelineLlama(llama.Model):
@@ -108,12 +146,17 @@ def shard_pipeline(model: nn.Module, group: mx.distributed.Group) -> str:
     inner.pipeline(group)
     for i in range(inner.start_idx):  # free the weights of the layers other ranks run
         inner.layers[i] = None
+    if isinstance(inner, PipelineLlamaModel):  # every rank's layers: where a tap is computed
+        bounds = np.zeros((group.size(), 2), np.int32)
+        bounds[group.rank()] = inner.start_idx, inner.end_idx
+        summed = ordered_all_sum(bounds.ravel(), group).reshape(-1, 2)
+        inner.stage_bounds = [(int(a), int(b)) for a, b in summed]
     return f"layers {inner.start_idx}-{inner.end_idx - 1} of {total}"
 
 
 class _Beating:
     """Mixed into a sharded model's class: every forward pass tells the watchdog it started, and
-    the speculative loop drafts on rank 0 alone (``share_drafter``)."""
+    the speculative loop drafts on rank 0 alone (:mod:`mlxspec.distributed.drafting`)."""
 
     watchdog: Watchdog
 
@@ -123,7 +166,27 @@ class _Beating:
 
     def share_drafter(self, draft: Drafter) -> Drafter:
         """``draft`` proposing on rank 0 only, its proposals sent to the other ranks."""
-        return share_drafter(draft, mx.distributed.init())
+        return SharedDrafter(draft, mx.distributed.init())
+
+    def drafter_on_rank_0(self, build: Callable[[], Drafter | None]) -> Drafter | None:
+        """``build()`` on rank 0; a stand-in that drafts nothing on the others."""
+        return drafter_on_rank_0(build, self, mx.distributed.init())
+
+
+class _Tapping(_Beating):
+    """A sharded model whose ranks can hand the hidden states a feature draft reads to rank 0:
+    tensor parallel (every rank runs every layer) or the llama pipeline."""
+
+    def tapped_forward(self, inputs: mx.array, cache: Any,
+                       taps: Sequence[int]) -> tuple[mx.array, mx.array | None]:
+        """``mlxspec.speculative.feature.tapped_forward``: ``(logits (B, T, vocab), features
+        (B, T, len(taps) * hidden))``, the features on rank 0 alone (None elsewhere)."""
+        self.watchdog.beat()
+        if not isinstance(self.model, PipelineLlamaModel):
+            logits, features = layered_forward(self, inputs, cache, taps)
+            return logits, features if mx.distributed.init().rank() == 0 else None
+        h, taken = self.model.tapped(inputs, cache, taps)
+        return head_logits(self, h), mx.concatenate(taken, axis=-1) if taken else None
 
 
 def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> str:
@@ -163,7 +226,8 @@ def load_sharded(spec: Any, mode: str | None, **kwargs: Any) -> tuple[nn.Module,
     cpu.prepare(model)  # now that its weights are there: the CPU backend's steps a lazy load skips
     model.shard_layout = f"{mode}: {layout}"  # a str: not a parameter of the module
     watchdog = Watchdog()
-    model.__class__ = type(f"Beating{type(model).__name__}", (_Beating, type(model)),
-                           {"watchdog": watchdog})
+    tapping = mode == "tensor" or isinstance(getattr(model, "model", None), PipelineLlamaModel)
+    model.__class__ = type(f"Beating{type(model).__name__}",
+                           (_Tapping if tapping else _Beating, type(model)), {"watchdog": watchdog})
     watchdog.__enter__()
     return model, tokenizer

@@ -67,7 +67,12 @@ def start_server(
 
     path = resolve_model_path(model)
     nn_model, tokenizer = load_sharded(str(path), shard)
-    draft_nn, draft_tokenizer = load(draft_model) if draft_model is not None else (None, None)
+    if draft_model is not None and shard is not None and not is_primary():
+        from mlxspec.distributed.drafting import Rank0Draft
+
+        draft_nn, draft_tokenizer = Rank0Draft(), None  # rank 0 alone loads and runs it
+    else:
+        draft_nn, draft_tokenizer = load(draft_model) if draft_model is not None else (None, None)
     if draft_nn is None and not prompt_lookup and feature_draft not in (None, "none"):
         draft_nn = FeatureDraft(feature_draft)
     draft = make_draft(nn_model, tokenizer, draft_model=draft_nn, draft_tokenizer=draft_tokenizer,

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.nn as nn
@@ -86,6 +87,28 @@ def make_drafter(
         raise UnsupportedModelError(
             "choose one way to draft: a draft model or prompt lookup (not both, not neither)"
         )
+    build = functools.partial(
+        _build_drafter, tokenizer, model, draft_model=draft_model,
+        draft_tokenizer=draft_tokenizer, prompt_lookup=prompt_lookup, ngram_max=ngram_max,
+        max_kv_size=max_kv_size, min_confidence=min_confidence,
+    )
+    # A sharded target (mlxspec.distributed) builds and runs its drafter on rank 0 alone.
+    on_rank_0 = getattr(model, "drafter_on_rank_0", None)
+    return build() if on_rank_0 is None else on_rank_0(build)
+
+
+def _build_drafter(
+    tokenizer: Any,
+    model: nn.Module,
+    *,
+    draft_model: nn.Module | None,
+    draft_tokenizer: Any,
+    prompt_lookup: bool,
+    ngram_max: int,
+    max_kv_size: int | None,
+    min_confidence: float,
+) -> Drafter | None:
+    """:func:`make_drafter` once its arguments are checked."""
     if isinstance(draft_model, FeatureDraft):  # None when "auto" finds no head for the target
         return make_feature_drafter(draft_model.spec, model, tokenizer)
     if prompt_lookup:

@@ -47,6 +47,11 @@ def inner_model(model: nn.Module) -> nn.Module:
         raise UnsupportedModelError(
             f"feature drafts need a {', '.join(LAYERED)} target without sliding windows "
             f"(this one is {model_type or type(model).__name__})")
+    if getattr(inner, "pipeline_size", 1) > 1 and getattr(model, "tapped_forward", None) is None:
+        raise UnsupportedModelError(
+            f"feature drafts on a pipeline need the llama family's split (mlxspec.distributed); "
+            f"this {model_type} target's ranks cannot share their hidden states: use --shard "
+            "tensor")
     return inner
 
 
@@ -62,8 +67,19 @@ def tapped_forward(
 
     Returns:
         ``(logits (B, T, vocab), features (B, T, len(taps) * hidden))``, the logits exactly
-        ``model(inputs, cache=cache)``.
+        ``model(inputs, cache=cache)``; a sharded target (``mlxspec.distributed``) gives the
+        features on rank 0 alone, the rank that drafts (None on the others).
     """
+    sharded = getattr(model, "tapped_forward", None)
+    if sharded is not None:
+        return sharded(inputs, cache, taps)
+    return layered_forward(model, inputs, cache, taps)
+
+
+def layered_forward(
+    model: nn.Module, inputs: mx.array, cache: list | None, taps: Sequence[int]
+) -> tuple[mx.array, mx.array]:
+    """:func:`tapped_forward` of a model whose every layer runs in this process."""
     inner = inner_model(model)
     h = inner.embed_tokens(inputs)
     cache = cache if cache is not None else [None] * len(inner.layers)
@@ -75,12 +91,14 @@ def tapped_forward(
         h = layer(h, mask, cache=c)
     if len(inner.layers) in taps:
         taken.append(h)
-    h = inner.norm(h)
+    return head_logits(model, inner.norm(h)), mx.concatenate(taken, axis=-1)
+
+
+def head_logits(model: nn.Module, h: mx.array) -> mx.array:
+    """The target's logits (B, T, vocab) from its final norm's output ``h`` (B, T, hidden)."""
     if getattr(model.args, "tie_word_embeddings", False):
-        logits = inner.embed_tokens.as_linear(h)
-    else:
-        logits = model.lm_head(h)
-    return logits, mx.concatenate(taken, axis=-1)
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
 
 
 class FeatureTarget:
@@ -210,7 +228,10 @@ class FeatureDrafter(Drafter):
         end = len(self.prefix)
         target = self.target
         have = 0 if target.features is None else target.features.shape[0]
-        if (end <= keep or end > BACKFILL_MAX or self.context[:end] != self.prefix
+        # A sharded target's forward is a collective of every rank, and the drafter runs on
+        # rank 0 alone (mlxspec.distributed.drafting): no backfill there.
+        sharded = getattr(target.model, "shard_layout", None) is not None
+        if (sharded or end <= keep or end > BACKFILL_MAX or self.context[:end] != self.prefix
                 or target.start <= keep and target.start + have >= end):
             return
         inputs = mx.array(self.context[:end], mx.uint32)[None]

@@ -191,9 +191,12 @@ def speculative_generate_step(
     if reason is not None:
         raise UnsupportedModelError(f"speculative decoding cannot run: {reason}")
     # A sharded target (mlxspec.distributed) drafts on rank 0 alone and sends the proposals to
-    # the other ranks, without the distributions q, which greedy and seeded verification never read.
+    # the other ranks, without the distributions q, which greedy and seeded verification never
+    # read: an unseeded sampled run takes its seed from MLX's generator, alike on every rank.
     share = getattr(model, "share_drafter", None)
-    if share is not None and (sampling.greedy or seed is not None):
+    if share is not None:
+        if seed is None and not sampling.greedy:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         draft = share(draft)
     model = draft.target_model(model)  # a feature draft reads the verifying pass's hidden states
     processors = logits_processors or None

@@ -1,6 +1,7 @@
 """A target sharded over two real ring processes on loopback (``--shard tensor|pipeline``): the
-same greedy text as one process, plain and speculative (prompt lookup, drafted on rank 0 and
-sent to the other); and a rank killed mid-generation ends rank 0 with one ``error:`` line and a
+same greedy text as one plain process, plain and speculative (prompt lookup, and the shipped
+EAGLE-3 head reading the hidden states of every rank's layers, both drafted on rank 0 alone);
+and a rank killed mid-generation ends rank 0 with one ``error:`` line and a
 non-zero exit, not a hang.
 
 Each case is one short run of the default model (a few tokens): the ring's two processes share
@@ -21,26 +22,28 @@ EDIT = ("Rename the variable x to total in this code:\n"
 
 
 LAYOUTS = {"tensor": "tensor: mlp", "pipeline": "pipeline: layers 15-29 of 30"}
+DRAFTERS = {"--prompt-lookup": "prompt lookup", "auto": "eagle-3"}
 _REFERENCE: dict[str, str] = {}
 
 
 def one_process_text(args: list[str]) -> str:
-    """The one-process greedy text (once per argument list: plain and speculative agree)."""
+    """The one-process greedy text, decoded plainly (once per argument list)."""
     key = " ".join(args)
     if key not in _REFERENCE:
-        want = one_process(args)
+        want = one_process([*args, "--draft", "none"])
         assert want.returncode == 0, want.stderr
         _REFERENCE[key] = json_of(want.stdout)["text"]
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("drafting", [["--draft", "none"], ["--prompt-lookup"]],
-                         ids=["plain", "prompt lookup"])
+@pytest.mark.parametrize("drafting", [["--draft", "none"], ["--prompt-lookup"],
+                                      ["--draft", "auto"]],
+                         ids=["plain", "prompt lookup", "feature draft"])
 @pytest.mark.parametrize("shard", ["tensor", "pipeline"])
 def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
-    args = ["generate", "-p", EDIT, "--temp", "0", "--max-tokens", "12", "--json", *drafting]
+    args = ["generate", "-p", EDIT, "--temp", "0", "--max-tokens", "12", "--json"]
     want = one_process_text(args)
-    with ring([*args, "--shard", shard], tmp_path) as (rank0, rank1):
+    with ring([*args, *drafting, "--shard", shard], tmp_path) as (rank0, rank1):
         out, err = rank0.communicate(timeout=TIMEOUT)
         follower, _ = rank1.communicate(timeout=30)
     assert rank0.returncode == 0 and rank1.returncode == 0, err
@@ -48,9 +51,17 @@ def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
     assert got["text"] == want and got["generation_tokens"] == 12
     assert got["group"] == {"backend": "ring", "world_size": 2, "rank": 0, "layout": LAYOUTS[shard]}
     assert follower == ""  # rank 0 alone prints
-    if "--prompt-lookup" in drafting:
-        assert got["speculative"]["drafter"] == "prompt lookup"
+    if drafting[-1] in DRAFTERS:  # the shipped EAGLE-3 head for "auto"; drafted on rank 0
+        assert got["speculative"]["drafter"] == DRAFTERS[drafting[-1]]
         assert got["speculative"]["mean_k"] > 0  # it drafted: one pass verified several tokens
+    if shard == "pipeline" and drafting[-1] == "auto":
+        # A pipeline computes each layer whole (its sums add zeros), so the head reads the very
+        # hidden states one process gives it (the tap entering layer 2 comes from rank 1's
+        # stage): it drafts and keeps the same tokens, pass for pass.
+        alone = one_process([*args, *drafting, "--num-draft-tokens", "4"])
+        assert alone.returncode == 0, alone.stderr
+        want_lengths = json_of(alone.stdout)["speculative"]["accepted_lengths"]
+        assert got["speculative"]["accepted_lengths"] == want_lengths
 
 
 def test_a_rank_killed_mid_generation_ends_rank_0_with_one_error_line(tmp_path):

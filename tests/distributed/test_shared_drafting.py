@@ -1,6 +1,7 @@
 """With a sharded target, rank 0 alone drafts and every rank gets its proposals: on two real ring
 processes, a follower whose drafter would fail if asked anything still verifies rank 0's prompt
-lookup proposals, the full ones and an empty one (greedy text equal to one process:
+lookup proposals, the full ones and an empty one; and a follower never loads rank 0's draft
+model, yet decodes the same greedy text with it (the text equal to one process:
 test_sharded_generate.py)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SCRIPT = """
 import json, sys
 import mlxspec
 import mlx.core as mx
-from mlxspec.distributed.drafting import share_drafter
+from mlxspec.distributed.drafting import SharedDrafter
 from mlxspec.speculative.drafters import Drafter, PromptLookupDrafter
 
 class Refusing(Drafter):
@@ -32,7 +33,7 @@ class Refusing(Drafter):
 
 group = mx.distributed.init()
 inner = PromptLookupDrafter() if group.rank() == 0 else Refusing()
-shared = share_drafter(inner, group)
+shared = SharedDrafter(inner, group)
 got = []
 for context in CONTEXTS:
     shared.begin(context)
@@ -55,3 +56,44 @@ def test_followers_verify_the_proposals_rank_0_alone_drafted(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
     for out, _ in outs:
         assert json.loads(out.splitlines()[-1]) == want
+
+
+# Each rank: the default model sharded; rank 0 also loads it whole as its draft model, the
+# follower passes the stand-in the CLI passes. Prints the drafter's type, the MLX memory held
+# (MiB), and the greedy text of 10 tokens, plain and speculative.
+DRAFT_MODEL = """
+import json, sys
+import mlx.core as mx
+from mlxspec.distributed import load_sharded
+from mlxspec.distributed.drafting import Rank0Draft
+from mlxspec.generate import stream_generate
+from mlxspec.load import load
+from mlxspec.speculative import make_drafter
+
+model, tokenizer = load_sharded(None, "tensor")
+leader = mx.distributed.init().rank() == 0
+draft = load(None)[0] if leader else Rank0Draft()
+drafter = make_drafter(tokenizer, model, draft_model=draft, draft_tokenizer=tokenizer if leader else None)
+mx.eval(model.parameters())
+held = mx.get_active_memory() / 2**20
+prompt = "Count from one to ten: one, two,"
+texts = []
+for kw in ({}, {"draft": drafter, "num_draft_tokens": 3}):
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=10, **kw))
+    texts.append("".join(r.text for r in responses))
+accepted = responses[-1].spec_stats.accepted
+sys.__stdout__.write(json.dumps([type(drafter).__name__, held, texts, accepted]) + "\\n")
+"""
+
+
+def test_a_follower_never_loads_the_draft_model_rank_0_drafts_with(tmp_path):
+    with ring([], tmp_path, program=(sys.executable, "-c", DRAFT_MODEL)) as procs:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    (kind0, held0, texts0, accepted), (kind1, held1, texts1, _) = (
+        json.loads(out.splitlines()[-1]) for out, _ in outs)
+    assert kind0 == "DraftModelDrafter" and kind1 == "FollowerDrafter"
+    assert accepted > 0  # the target drafting for itself: most of its drafts are kept
+    # rank 0 holds its shard and the whole draft (about 95 MiB); the follower its shard alone
+    assert held1 < held0 - 60, (held0, held1)
+    assert texts0[0] == texts0[1] == texts1[0] == texts1[1] and texts0[0]
