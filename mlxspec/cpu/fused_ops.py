@@ -9,8 +9,10 @@ RoPE calls and 61 norms; beyond the weight products, the step's time is mostly t
 
 ``enable()`` puts compiled versions in their place: each wraps MLX's own function in
 ``mx.compile``, so the same reference graph is traced once per input shape and its elementwise
-chains run as one JIT-compiled kernel each (the decode step: 2,559 ops). The kernels compute the
-same float operations in the same order, so the outputs are bitwise those of the reference graph
+chains run as one JIT-compiled kernel each (the decode step: 2,559 ops). A cached forward's
+RoPE calls at one position (2 a layer) share their cosine and sine tables, built once by MLX's
+own function, so each further call is only its rotation. The kernels compute the same float
+operations in the same order, so the outputs are bitwise those of the reference graph
 (``tests/cpu/test_fused_ops.py`` compares them over shapes, dtypes, offsets and a real model's
 decoding). Measured in ``bench/fused_ops.py`` (``bench/results/fused_ops.json``: a one-token
 step 50.0 -> 41.0 ms).
@@ -32,9 +34,11 @@ from __future__ import annotations
 
 import functools
 import shutil
+import threading
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from mlxspec.switches import turned_off
 
@@ -103,6 +107,80 @@ def _compiled_rope(dims: int, traditional: bool, base: float | None, scale: floa
     return mx.compile(apply)
 
 
+def _tables(offset: int, tokens: int, dims: int, traditional: bool, base: float | None,
+            scale: float, freqs: mx.array | None, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """MLX's cosine and sine tables (tokens, dims / 2) for positions offset .. offset + tokens - 1.
+
+    MLX's own RoPE applied to rows holding 1 where it reads its first operand and 0 where it reads
+    the second returns ``1 * cos - 0 * sin`` and ``1 * sin + 0 * cos``: the tables themselves,
+    exactly, whatever the base, scale or frequencies (no constant of MLX's re-derived here).
+    """
+    unit = np.zeros(dims, np.float32)
+    unit[slice(0, None, 2) if traditional else slice(0, dims // 2)] = 1
+    rows = mx.array(np.broadcast_to(unit, (1, 1, tokens, dims)).copy())
+    compiled = _compiled_rope(dims, traditional, base, scale, freqs is not None)
+    at = mx.array(offset, dtype=mx.int32)
+    out = (compiled(rows, at) if freqs is None else compiled(rows, at, freqs))[0, 0]
+    if traditional:
+        cos, sin = out[:, 0::2], out[:, 1::2]
+    else:
+        cos, sin = out[:, : dims // 2], out[:, dims // 2:]
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+@functools.cache
+def _compiled_rotation(dims: int, traditional: bool) -> Callable:
+    """MLX's fallback RoPE from its tables on: the same ops on the same operands."""
+    half = dims // 2
+
+    def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        shape = x.shape
+        if x.ndim == 3:
+            x = mx.expand_dims(x, 1)
+        elif x.ndim > 4:
+            x = mx.flatten(x, 1, x.ndim - 3)
+        b, n, t, d = x.shape
+        if traditional:
+            first, second = x[..., 0:dims:2], x[..., 1:dims:2]
+        else:
+            first, second = x[..., :half], x[..., half:dims]
+        rotated = [first * cos - second * sin, first * sin + second * cos]
+        if traditional:
+            out = mx.concatenate([mx.expand_dims(r, -1) for r in rotated], -1)
+            out = out.reshape(b, n, t, dims)
+            if dims < d:
+                out = mx.concatenate([out, x[..., dims:]], -1)
+            return out.reshape(shape)
+        if dims < d:
+            rotated.append(x[..., dims:])
+        return mx.concatenate(rotated, -1).reshape(shape)
+
+    return mx.compile(rotate)
+
+
+# A decode step's 2 x layers RoPE calls share one position, so they share the tables: built once
+# a step instead of once a call (an arange, an exp, a cos and a sin: ~6 ops saved a call). Keyed
+# by the calling thread (MLX graphs are not shared between threads) and a Python int offset > 0
+# (a cached forward's position; an offset array differs per layer, and training calls at 0).
+_TABLES_KEPT = 8
+_tables_kept: dict[tuple, tuple[mx.array, mx.array, mx.array | None]] = {}
+
+
+def _shared_tables(offset: int, tokens: int, dims: int, traditional: bool,
+                   base: float | None, scale: float, freqs: mx.array | None,
+                   dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    key = (threading.get_ident(), offset, tokens, dims, traditional, base, scale,
+           None if freqs is None else id(freqs), dtype)
+    kept = _tables_kept.get(key)
+    if kept is not None and (freqs is None or kept[2] is freqs):
+        return kept[0], kept[1]
+    cos, sin = _tables(offset, tokens, dims, traditional, base, scale, freqs, dtype)
+    if len(_tables_kept) >= _TABLES_KEPT:
+        _tables_kept.pop(next(iter(_tables_kept)))
+    _tables_kept[key] = (cos, sin, freqs)  # freqs kept alive: its id stays its own
+    return cos, sin
+
+
 @functools.cache
 def _compiled_rms_norm(eps: float) -> Callable:
     reference = _reference["rms_norm"]
@@ -116,6 +194,10 @@ def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale
     Same arguments and result: ``a`` (B, *, T, D), ``offset`` an int, a scalar or a (B,) array.
     """
     if _reference and stream is None and a.ndim >= 3 and a.shape[-2] <= MAX_FUSED_TOKENS:
+        if isinstance(offset, int) and offset > 0:
+            cos, sin = _shared_tables(offset, a.shape[-2], dims, traditional, base, scale,
+                                      freqs, a.dtype)
+            return _compiled_rotation(dims, traditional)(a, cos, sin)
         if not isinstance(offset, mx.array):  # a Python int would be a constant: one trace each
             offset = mx.array(offset, dtype=mx.int32)
         compiled = _compiled_rope(dims, traditional, base, scale, freqs is not None)

@@ -208,8 +208,8 @@ class Eagle3Head(nn.Module):
 
     @property
     def dtype(self) -> mx.Dtype:
-        """The dtype the head computes in (its weights')."""
-        return self.fc.weight.dtype
+        """The dtype the head computes in (its norm's weight: its linear layers may be packed)."""
+        return self.norm.weight.dtype
 
     def draft_ids(self) -> mx.array:
         """(draft_vocab,) target token id of each draft token."""

@@ -14,8 +14,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
+from mlxspec import cpu
 from mlxspec.errors import MlxspecError
 from mlxspec.speculative.eagle3 import CONFIG, load_head, target_shape
 from mlxspec.speculative.feature import FeatureDrafter
@@ -55,6 +57,41 @@ def shipped_head_for(model: nn.Module, tokenizer: Any) -> Path | None:
     return None
 
 
+# The head of a quantized target is quantized too (see quantize_head).
+HEAD_BITS, HEAD_GROUP_SIZE = 8, 64
+
+
+def quantized_target(model: nn.Module) -> bool:
+    """Whether the target's linear weights are quantized (packed integers)."""
+    return any(isinstance(getattr(m, "bits", None), int) and "weight" in m
+               and m["weight"].dtype == mx.uint32 for _, m in model.named_modules())
+
+
+def quantize_head(head: nn.Module, model: nn.Module) -> bool:
+    """Quantize the head's linear layers to 8 bits (groups of 64) when the target's weights are
+    quantized; returns whether it did (a float target keeps a float head).
+
+    A draft pays only while its step is a small part of a target step, and both stream their
+    weights from memory: the shipped float32 head reads 30 MB a step beside the 4-bit default
+    model's 99 MB. On the default model (2-core Xeon, loaded) its step in the decoding loop took
+    4.8 ms in float32, 3.0 at 8 bits, 2.2 at 4 bits, and its first draft matched the target's
+    next token 32.0 / 31.5 / 29.9 % of the time over 400 answer tokens: 8 bits keeps the head's
+    predictions. The verification keeps the output the target's whatever the draft computes.
+    """
+    if not quantized_target(model):
+        return False
+    pack_head(head)
+    return True
+
+
+def pack_head(head: nn.Module) -> None:
+    """The head's linear layers to HEAD_BITS (groups of HEAD_GROUP_SIZE), in place."""
+    nn.quantize(head, group_size=HEAD_GROUP_SIZE, bits=HEAD_BITS,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear)
+                and m.weight.shape[-1] % HEAD_GROUP_SIZE == 0)
+    cpu.prepare(head)  # on a CPU: the packed-weight kernel for the new layers
+
+
 def make_feature_drafter(spec: str | Path, model: nn.Module, tokenizer: Any) -> FeatureDrafter | None:
     """A feature drafter for ``model``: ``spec`` is ``"auto"`` (the shipped head for this
     target, or None when there is none or it cannot run on this architecture) or a head's
@@ -70,9 +107,13 @@ def make_feature_drafter(spec: str | Path, model: nn.Module, tokenizer: Any) -> 
         if path is None:
             return None
         try:
-            return FeatureDrafter(load_head(path, model, tokenizer), model, vocab_size=vocab)
+            head = load_head(path, model, tokenizer)
         except MlxspecError:
             return None
+        quantize_head(head, model)
+        return FeatureDrafter(head, model, vocab_size=vocab)
     if spec == "mtp":  # the checkpoint's own MTP layers, kept at load (mlxspec.speculative.mtp)
         return FeatureDrafter(mtp_head(model), model, vocab_size=vocab)
-    return FeatureDrafter(load_head(spec, model, tokenizer), model, vocab_size=vocab)
+    head = load_head(spec, model, tokenizer)
+    quantize_head(head, model)
+    return FeatureDrafter(head, model, vocab_size=vocab)

@@ -140,6 +140,18 @@ def test_small_inputs_take_the_compiled_path_and_long_ones_mlx_own():
     assert mx.array_equal(fused_ops.rope(long, 64, **kwargs), reference("rope")(long, 64, **kwargs)).item()
 
 
+def test_calls_at_one_position_share_their_tables():
+    """A decode step's RoPE calls (2 a layer, one position) compute the cosines and sines once:
+    the second call adds only its rotation to the graph, and both stay bitwise MLX's."""
+    kwargs = dict(traditional=False, base=10000.0, scale=1.0, offset=4321)
+    q, k = (mx.random.normal((1, h, 1, 64), key=mx.random.key(h)) for h in (9, 3))
+    one = op_count(fused_ops.rope(q, 64, **kwargs))
+    both = fused_ops.rope(q, 64, **kwargs), fused_ops.rope(k, 64, **kwargs)
+    assert op_count(*both) < 2 * one - 4
+    for x, out in zip((q, k), both, strict=True):
+        assert mx.array_equal(out, reference("rope")(x, 64, **kwargs)).item()
+
+
 def test_enable_swaps_mx_fast_and_disable_puts_mlx_own_back(monkeypatch):
     assert mx.fast.rope is fused_ops.rope and mx.fast.rms_norm is fused_ops.rms_norm
     original = reference("rope"), reference("rms_norm")
