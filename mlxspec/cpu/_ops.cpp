@@ -1,8 +1,8 @@
 /*
  * One MLX primitive for scaled dot-product attention on the CPU back-end: the numbers of MLX's own
  * CPU path (the composed fallback of mx.fast.scaled_dot_product_attention), from one op instead
- * of a dozen; and mlxspec.serving.rows.greedy_candidates as one op. mlxspec/cpu/ops.py builds and
- * loads them.
+ * of a dozen; mlxspec.serving.rows.greedy_candidates as one op; and RoPE's rotation from its
+ * tables as one op (see CpuRope). mlxspec/cpu/ops.py builds and loads them.
  *
  * Where MLX has no attention kernel (every CPU build) it composes the attention from ops: q scaled,
  * one BLAS product per (row, query head) for q k^T, the mask, a softmax, one product per
@@ -450,10 +450,126 @@ std::vector<mx::array> greedy_candidates(const mx::array &logits, float tie) {
                                 std::make_shared<GreedyCandidates>(stream, tie), {logits});
 }
 
+/* RoPE's rotation from its cosine and sine tables, as one op: mlxspec/cpu/fused_ops.py builds
+ * the tables once per position with MLX's own function and calls this for each RoPE of a step.
+ * x (B, N, T, D) float32, any strides; cos, sin (T, dims / 2) float32, any strides. The result is
+ * MLX's fallback's, [x1 c - x2 s, x1 s + x2 c, x[dims:]] with x1, x2 the two halves of the first
+ * dims (traditional: their even and odd elements, the results interleaved), every product and
+ * sum rounded on its own as MLX's compiled kernels round them (this file is built without fma
+ * contraction). Gradients go through the same rotation composed of MLX ops. */
+mx::array rotation_ops(const mx::array &x, const mx::array &c, const mx::array &s, int dims,
+                       bool traditional) {
+  const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3), half = dims / 2;
+  mx::array x1 = traditional ? mx::slice(x, {0, 0, 0, 0}, {B, N, T, dims}, {1, 1, 1, 2})
+                             : mx::slice(x, {0, 0, 0, 0}, {B, N, T, half});
+  mx::array x2 = traditional ? mx::slice(x, {0, 0, 0, 1}, {B, N, T, dims}, {1, 1, 1, 2})
+                             : mx::slice(x, {0, 0, 0, half}, {B, N, T, dims});
+  std::vector<mx::array> outs = {mx::subtract(mx::multiply(x1, c), mx::multiply(x2, s)),
+                                 mx::add(mx::multiply(x1, s), mx::multiply(x2, c))};
+  mx::array out = traditional ? mx::reshape(mx::concatenate({mx::expand_dims(outs[0], -1),
+                                                             mx::expand_dims(outs[1], -1)}, -1),
+                                            {B, N, T, dims})
+                              : mx::concatenate(outs, -1);
+  if (dims < D) out = mx::concatenate({out, mx::slice(x, {0, 0, 0, dims}, {B, N, T, D})}, -1);
+  return out;
+}
+
+struct Rotation {
+  int B, N, T, D, dims;
+  bool traditional;
+  const float *x, *c, *s;
+  mx::Strides xs, cs, ss;
+  float *out;
+};
+
+void rotate(const Rotation &r) {
+  const int half = r.dims / 2;
+  const int64_t x3 = r.xs[3], c1 = r.cs[1], s1 = r.ss[1];
+  const int64_t first = r.traditional ? 2 * x3 : x3, second = r.traditional ? x3 : half * x3;
+  for (int b = 0; b < r.B; ++b)
+    for (int n = 0; n < r.N; ++n)
+      for (int t = 0; t < r.T; ++t) {
+        const float *x = r.x + b * r.xs[0] + n * r.xs[1] + t * r.xs[2];
+        const float *c = r.c + t * r.cs[0], *s = r.s + t * r.ss[0];
+        float *o = r.out + (((int64_t)b * r.N + n) * r.T + t) * r.D;
+        for (int i = 0; i < half; ++i) {
+          const float x1 = x[i * first], x2 = x[i * first + second], ci = c[i * c1], si = s[i * s1];
+          const float a = x1 * ci - x2 * si, z = x1 * si + x2 * ci;
+          if (r.traditional)
+            o[2 * i] = a, o[2 * i + 1] = z;
+          else
+            o[i] = a, o[i + half] = z;
+        }
+        for (int i = r.dims; i < r.D; ++i) o[i] = x[i * x3];
+      }
+}
+
+class CpuRope : public mx::UnaryPrimitive {
+ public:
+  CpuRope(mx::Stream stream, int dims, bool traditional)
+      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+    const mx::array &x = inputs[0], &c = inputs[1], &s = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto &encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto &input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    Rotation r{(int)x.shape(0), (int)x.shape(1), (int)x.shape(2), (int)x.shape(3), dims_,
+               traditional_, x.data<float>(), c.data<float>(), s.data<float>(), x.strides(),
+               c.strides(), s.strides(), out.data<float>()};
+    encoder.dispatch([r = std::move(r)]() { rotate(r); });
+  }
+
+  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+    throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
+                             const std::vector<mx::array> &cotangents,
+                             const std::vector<int> &argnums,
+                             const std::vector<mx::array> &) override {
+    const int dims = dims_;
+    const bool traditional = traditional_;
+    auto composed = [dims, traditional](const std::vector<mx::array> &in) {
+      return std::vector<mx::array>{rotation_ops(in[0], in[1], in[2], dims, traditional)};
+    };
+    auto grads = mx::vjp(composed, primals, cotangents).second;
+    std::vector<mx::array> result;
+    for (int i : argnums) result.push_back(grads[i]);
+    return result;
+  }
+
+  const char *name() const override { return "MlxspecCpuRope"; }
+
+  bool is_equivalent(const mx::Primitive &other) const override {
+    auto &o = static_cast<const CpuRope &>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
+/* x (B, N, T, D) float32, cos and sin (T, dims / 2) float32, 0 < dims <= D even. */
+mx::array rope(const mx::array &x, const mx::array &c, const mx::array &s, int dims,
+               bool traditional) {
+  if (x.ndim() != 4 || x.dtype() != mx::float32 || c.dtype() != mx::float32 ||
+      s.dtype() != mx::float32 || dims <= 0 || dims % 2 || dims > x.shape(3) ||
+      c.shape() != mx::Shape{x.shape(2), dims / 2} || s.shape() != c.shape())
+    throw std::invalid_argument("[mlxspec cpu_ops] unsupported shapes or dtypes for rope");
+  auto stream = mx::to_stream({});
+  return mx::array(x.shape(), mx::float32, std::make_shared<CpuRope>(stream, dims, traditional),
+                   {x, c, s});
+}
+
 }  // namespace
 
 NB_MODULE(_mlxspec_cpu_ops, m) {
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask").none() = nb::none(), nb::arg("causal") = false);
   m.def("greedy_candidates", &greedy_candidates, nb::arg("logits"), nb::arg("tie"));
+  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"),
+        nb::arg("traditional"));
 }

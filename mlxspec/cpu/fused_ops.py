@@ -40,6 +40,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlxspec.cpu import ops
 from mlxspec.switches import turned_off
 
 SWITCH = "MLXSPEC_FUSED_OPS"  # =0: MLX's own functions (and no JIT build: mlxspec.cpu.jit)
@@ -197,7 +198,8 @@ def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale
         if isinstance(offset, int) and offset > 0:
             cos, sin = _shared_tables(offset, a.shape[-2], dims, traditional, base, scale,
                                       freqs, a.dtype)
-            return _compiled_rotation(dims, traditional)(a, cos, sin)
+            rotated = ops.rope_rotation(a, cos, sin, dims, traditional)  # one op, where built
+            return _compiled_rotation(dims, traditional)(a, cos, sin) if rotated is None else rotated
         if not isinstance(offset, mx.array):  # a Python int would be a constant: one trace each
             offset = mx.array(offset, dtype=mx.int32)
         compiled = _compiled_rope(dims, traditional, base, scale, freqs is not None)

@@ -6,13 +6,16 @@ and head for p v), and its softmax runs MLX's ``exp`` one value at a time throug
 ``fmaf`` (the Linux wheel targets baseline x86-64). Over 8 rows of SmolLM2 (30 layers, 9 heads,
 ~100 positions) that is ~9 ms of a ~63 ms decode step, and it grows with every row.
 
-``_ops.cpp`` holds two MLX primitives. The attention makes the same BLAS calls on the same
+``_ops.cpp`` holds three MLX primitives. The attention makes the same BLAS calls on the same
 operands (a KV head's query heads in one call where mlxspec's BLAS shim computes each output
 alone: the same bits), applies the mask as MLX does and runs MLX's softmax in MLX's order with
 MLX's ``exp`` inlined and vectorized. ``greedy_candidates`` is
 :func:`mlxspec.serving.rows.greedy_candidates` (argmax and near-tie count per row) in one pass
-instead of three scalar ones. Both outputs are bitwise MLX's (``tests/cpu/test_cpu_ops.py``; the
-attention is checked again each time the module loads, else nothing is used). Measured in
+instead of three scalar ones. ``rope`` is RoPE's rotation from the cosine and sine tables
+:mod:`mlxspec.cpu.fused_ops` builds once per position: one op where MLX's rotation is five
+(two slices, two products, a concatenation). All outputs are bitwise MLX's
+(``tests/cpu/test_cpu_ops.py``, ``tests/cpu/test_cpu_rope.py``; the attention and the rotation
+are checked again each time the module loads, else nothing is used). Measured in
 ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
 
 ``enable()`` builds the module once per MLX/nanobind/Python version into
@@ -130,6 +133,18 @@ def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array]
     if module is None or logits.ndim != 2 or logits.dtype != mx.float32 or 0 in logits.shape:
         return None
     return tuple(module.greedy_candidates(logits, float(tie)))
+
+
+def rope_rotation(x: mx.array, cos: mx.array, sin: mx.array, dims: int,
+                  traditional: bool) -> mx.array | None:
+    """Lazily, RoPE's rotation of x (B, N, T, D) float32 by the tables cos, sin (T, dims / 2)
+    float32 as one op, bitwise MLX's fallback from those tables; None when not enabled or for
+    other shapes and dtypes (:mod:`mlxspec.cpu.fused_ops` then rotates with MLX's ops)."""
+    module = _state.get("module")
+    if (module is None or x.ndim != 4 or x.dtype != mx.float32 or cos.dtype != mx.float32
+            or cos.shape != (x.shape[2], dims // 2) or sin.shape != cos.shape):
+        return None
+    return module.rope(x, cos, sin, dims, traditional)
 
 
 def _supported(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> bool:
@@ -265,5 +280,25 @@ def _check(module: ModuleType) -> None:
             got = module.attention(q, k, v, 0.25, array_mask, causal)
             if not mx.array_equal(expected, got).item():
                 raise _Unavailable("its output differs from MLX's own here")
+        x = mx.random.normal((2, 3, 5, 16), key=keys[0]).transpose(0, 2, 1, 3)  # (2, 5, 3, 16)
+        for traditional in (False, True):
+            cos, sin = (mx.random.normal((3, 6), key=key) for key in keys[1:])
+            got = module.rope(x, cos, sin, 12, traditional)
+            if not mx.array_equal(got, _rotation_reference(x, cos, sin, 12, traditional)).item():
+                raise _Unavailable("its RoPE differs from MLX's ops here")
     except (TypeError, RuntimeError, ValueError) as e:  # e.g. another nanobind ABI than MLX's
         raise _Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
+
+
+def _rotation_reference(x: mx.array, cos: mx.array, sin: mx.array, dims: int,
+                        traditional: bool) -> mx.array:
+    """MLX's fallback RoPE from its tables on, op by op (the primitive's check)."""
+    half = dims // 2
+    first, second = ((x[..., 0:dims:2], x[..., 1:dims:2]) if traditional
+                     else (x[..., :half], x[..., half:dims]))
+    rotated = [first * cos - second * sin, first * sin + second * cos]
+    if traditional:
+        out = mx.stack(rotated, axis=-1).reshape(*x.shape[:3], dims)
+        return mx.concatenate([out, x[..., dims:]], axis=-1)
+    return mx.concatenate([*rotated, x[..., dims:]], axis=-1)
+
