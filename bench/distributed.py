@@ -5,8 +5,9 @@
 In one run, on the default model (SmolLM2-135M) and an editing prompt (rename a variable in a
 function: the answer copies most of the prompt, where prompt lookup drafts well):
 
-    one process   plain, and speculative (prompt lookup)
-    tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same two
+    one process   plain, and speculative: prompt lookup, and the feature draft (the EAGLE-3 head
+                  shipped for the model, ``--draft auto``)
+    tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same three
     pipeline-2    the same with ``--shard pipeline``
 
 Then the continuous-batching engine that ``serve`` and ``batch`` use, whose every step rank 0
@@ -22,7 +23,10 @@ collective rounds per generated token: rounds per target pass (tensor: one all-r
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
 pipeline: one all-sum per stage; a speculative pass one more, rank 0's proposals) times passes per
 token. Speculation verifies several tokens per pass, so it divides the rounds per token by its
-tokens per pass.
+tokens per pass. Rank 0 alone drafts, the feature draft too: on a pipeline, the hidden state its
+head reads from rank 1's layers (the head taps layers 2, 15 and 27; rank 1 runs 0-14) rides
+rank 1's stage sum, one more hidden row per row of the pass in that round (``riding_taps``), not
+a round of its own.
 
 What loopback cannot show is a real network's latency. The run measures one round on loopback
 (an all-sum of one hidden row: the 10th percentile of many, since on a loaded machine the median
@@ -108,7 +112,9 @@ def row(name: str, result: dict) -> dict:
     if spec and per_pass:  # rank 0 alone drafts: its proposals reach the others in one all-sum
         per_pass += 1
     rounds = per_pass * passes / tokens
-    return {"config": name, "text_matches": None, "tokens": tokens,
+    # the default head's tap of layer 2, inside rank 1's stage of a 2-rank pipeline
+    riding = 1 if spec.get("drafter") == "eagle-3" and "pipeline" in name else 0
+    return {"config": name, "text_matches": None, "tokens": tokens, "riding_taps": riding,
             "tokens_per_second": round(result["generation_tps"], 2), "target_passes": passes,
             "tokens_per_pass": round(tokens / passes, 2),
             "rounds_per_token": round(rounds, 2),
@@ -139,7 +145,9 @@ def modelled(rows: list[dict], loopback_round: float) -> dict:
                 continue
             payload = r["rows_per_pass"] * HIDDEN * 4  # float32 activations per round
             cost = 2 * latency + payload / bandwidth  # both directions of a 2-rank exchange
-            seconds = 1 / r["tokens_per_second"] + r["rounds_per_token"] * max(
+            # a tap riding a stage sum: its bytes, both ways, once per pass
+            taps = 2 * r["riding_taps"] * payload / bandwidth / r["tokens_per_pass"]
+            seconds = 1 / r["tokens_per_second"] + taps + r["rounds_per_token"] * max(
                 cost - loopback_round, 0.0)
             per_link[r["config"]] = round(1 / seconds, 2)
         out[link] = per_link
@@ -227,12 +235,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "distributed.json"))
     opts = parser.parse_args()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     sys.path.insert(0, str(ROOT))
     from mlxspec.cpu import cpu_model
 
     base = ["generate", "-p", PROMPT, "--temp", "0", "--max-tokens", str(opts.max_tokens),
             "--json"]
-    drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"]}
+    drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"],
+                "feature draft": ["--draft", "auto"]}
     rows, texts = [], {}
     for shard in (None, "tensor", "pipeline"):
         for kind, extra in drafting.items():
@@ -254,11 +264,12 @@ def main() -> None:
     print(json.dumps(idle), flush=True)
     loopback, loopback_median = round_seconds()
     by_name = {r["config"]: r for r in rows}
-    ratios = {shard: round(by_name[f"{shard}-2 prompt lookup"]["tokens_per_second"]
-                           / by_name[f"{shard}-2 plain"]["tokens_per_second"], 2)
-              for shard in ("tensor", "pipeline")}
+    ratios = {f"{shard}-2 {kind}": round(by_name[f"{shard}-2 {kind}"]["tokens_per_second"]
+                                         / by_name[f"{shard}-2 plain"]["tokens_per_second"], 2)
+              for shard in ("tensor", "pipeline") for kind in ("prompt lookup", "feature draft")}
     report = {
         "what": __doc__.split("\n\n")[0],
+        "load_average_at_start": load_at_start,
         "command": "python bench/distributed.py " + " ".join(sys.argv[1:]),
         "cpu": cpu_model(), "platform": platform.platform(),
         "load_average": [round(x, 2) for x in os.getloadavg()],

@@ -256,14 +256,21 @@ def _check_weights_are_safe(model_dir: Path) -> None:
     raise CorruptModelError(f"{model_dir} has no .safetensors weights")
 
 
-def _load_mlx(model_dir: Path, config: dict, lazy: bool, trust_remote_code: bool) -> nn.Module:
-    return storage.load_affine(model_dir, config, lazy, trust_remote_code)
+def _load_mlx(model_dir: Path, config: dict, lazy: bool, trust_remote_code: bool,
+              zero_points: bool = True) -> nn.Module:
+    if zero_points:
+        return storage.load_affine(model_dir, config, lazy, trust_remote_code)
+    from mlx_lm.utils import load_model  # the caller adopts the zero-points later
+
+    return load_model(Path(model_dir), lazy=lazy, trust_remote_code=trust_remote_code)[0]
 
 
 def build_model(
-    model_dir: Path, *, lazy: bool = False, trust_remote_code: bool = False
+    model_dir: Path, *, lazy: bool = False, trust_remote_code: bool = False,
+    zero_points: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the model in ``model_dir`` with the loader of its weight format."""
+    """Build the model in ``model_dir`` with the loader of its weight format (``zero_points``:
+    as :func:`load`)."""
     config = read_config(model_dir)
     _check_weights_are_safe(model_dir)
     if config.get("model_file") and not trust_remote_code:
@@ -274,7 +281,7 @@ def build_model(
     name = weight_format(config)
     try:
         if name == "mlx":
-            model = _load_mlx(model_dir, config, lazy, trust_remote_code)
+            model = _load_mlx(model_dir, config, lazy, trust_remote_code, zero_points)
         else:
             fmt = next(f for f in WEIGHT_FORMATS if f.name == name)
             model = fmt.load(model_dir, config, lazy)
@@ -296,6 +303,7 @@ def load(
     lazy: bool = False,
     trust_remote_code: bool = False,
     tokenizer_config: dict | None = None,
+    zero_points: bool = True,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer.
 
@@ -305,6 +313,10 @@ def load(
         lazy: leave weights unevaluated until first use.
         trust_remote_code: allow a config's custom ``model_file`` (off by default).
         tokenizer_config: extra options for the Hugging Face tokenizer.
+        zero_points: recover the integer zero-points of an MLX affine model's layers now
+            (``storage.adopt_zero_points``, which reads every layer's scales and biases);
+            False leaves it to the caller (a sharded load: each rank, after sharding, for its
+            own layers).
 
     Returns:
         ``(model, tokenizer)`` as ``mlx_lm.load`` returns them.
@@ -312,7 +324,8 @@ def load(
     cpu.before_load()  # Linux CPU backend: MLX's JIT kernels built for this CPU
     model_dir = resolve_model_path(model)
     try:
-        nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code)
+        nn_model, config = build_model(model_dir, lazy=lazy, trust_remote_code=trust_remote_code,
+                                       zero_points=zero_points)
         tokenizer = read_tokenizer(model_dir, config, tokenizer_config)
     except CorruptModelError as e:
         if model_dir.parent == paths.home() / "gguf":  # a damaged cache entry: say how to redo it

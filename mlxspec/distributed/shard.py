@@ -190,10 +190,20 @@ class _Tapping(_Beating):
 
 
 def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> str:
-    """Shard ``model`` in place in ``mode`` ("tensor" or "pipeline"); returns its layout."""
+    """Shard ``model`` in place in ``mode`` ("tensor" or "pipeline"); returns its layout.
+
+    Then the integer zero-points of the MLX affine layers this rank keeps whole are recovered
+    (``mlxspec.quant.storage.adopt_zero_points``: MLX's ``shard_linear`` cannot split a
+    zero-point layer), before the rank's parameters are evaluated: the check's float64 copy of
+    the embedding's scales (about 36 MiB on the default model) then does not come on top of the
+    weights.
+    """
+    from mlxspec.quant.storage import adopt_zero_points
+
     if mode not in SHARD_MODES:
         raise DistributedError(f"--shard {mode}: use one of {', '.join(SHARD_MODES)}")
     layout = (shard_tensor if mode == "tensor" else shard_pipeline)(model, group)
+    adopt_zero_points(model)
     mx.eval(model.parameters())
     return layout
 
@@ -205,9 +215,13 @@ def load_sharded(spec: Any, mode: str | None, **kwargs: Any) -> tuple[nn.Module,
     barrier. The load is lazy and sharding comes before evaluation, so each rank reads only what it
     keeps: a pipeline rank its own layers (with the embedding, norm and head every stage runs),
     never the others' weights; a tensor rank reads each split tensor whole from its file and
-    keeps its slice (the whole tensor's buffer is freed once sliced). (The check for zero-point layers in ``mlxspec.load`` still reads every
-    quantized layer's scales and biases: 13 of the default model's 95 MiB.) Ranks other than 0 print nothing from here on; a watchdog ends every rank with exit
-    status 2 (rank 0: one ``error:`` line) when a forward pass does not start within the timeout.
+    keeps its slice (the whole tensor's buffer is freed once sliced). The integer zero-points of
+    MLX affine layers (``mlxspec.quant.storage.adopt_zero_points``, which reads each layer's
+    scales and biases) are recovered after sharding, for the rank's own layers: a layer that
+    tensor parallelism split stays MLX's sharded quantized layer (MLX cannot shard mlxspec's
+    zero-point layer). Ranks other than 0 print nothing from here on; a watchdog ends every rank
+    with exit status 2 (rank 0: one ``error:`` line) when a forward pass does not start within
+    the timeout.
     """
     from mlxspec import cpu
     from mlxspec.load import load
@@ -217,11 +231,11 @@ def load_sharded(spec: Any, mode: str | None, **kwargs: Any) -> tuple[nn.Module,
     group = init_group()
     silence_followers()
     if group.rank() == 0:
-        model, tokenizer = load(spec, lazy=True, **kwargs)
+        model, tokenizer = load(spec, lazy=True, zero_points=False, **kwargs)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # barrier: rank 0 has loaded
     if group.rank() != 0:
-        model, tokenizer = load(spec, lazy=True, **kwargs)
-    layout = shard_model(model, mode, group)
+        model, tokenizer = load(spec, lazy=True, zero_points=False, **kwargs)
+    layout = shard_model(model, mode, group)  # zero-points: the rank's own layers, after
     mx.clear_cache()  # the buffers of tensors read whole and then sliced go back to the system
     cpu.prepare(model)  # now that its weights are there: the CPU backend's steps a lazy load skips
     model.shard_layout = f"{mode}: {layout}"  # a str: not a parameter of the module

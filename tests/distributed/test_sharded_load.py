@@ -1,7 +1,8 @@
 """Each rank of a sharded target loads lazily and materializes only its own weights: a pipeline
 rank of the default model (its 15 layers of 30, the embedding, the final norm) holds far fewer
 weight bytes than one process, and its peak resident memory stays below one process's: the
-other ranks' layers are never read."""
+other ranks' layers are never read. An mlxspec-quantized model (MLX affine layout, integer
+zero-points) tensor shards and decodes as one process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from ring import environment, ring
+from ring import environment, json_of, one_process, ring
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 240  # s for one two-rank load on a loaded 2-core host (about 10 s idle)
@@ -56,3 +57,19 @@ def test_a_pipeline_rank_never_materializes_the_other_ranks_layers(tmp_path):
         # Loading the whole model first, then dropping half of it, peaked above one process
         # (294 against 263 MiB; the ring adds its own): lazily, a rank peaks below it.
         assert rank["VmHWM"] < whole["VmHWM"] - 16, (rank, whole)
+
+
+def test_an_mlxspec_quantized_model_tensor_shards_and_decodes_as_one_process(
+        tmp_path, smollm2_q8_dirs):
+    # Its MLX affine biases hold integer zero-points, which mlxspec.load turns into zero-point
+    # layers; MLX's shard_linear cannot split those ("no parameter named zeros"), so a sharded
+    # load recovers them after sharding, for the layers left whole.
+    args = ["generate", "-m", str(smollm2_q8_dirs["mlx"]), "-p", "Name three colors.",
+            "--temp", "0", "--max-tokens", "6", "--draft", "none", "--json"]
+    want = one_process(args)
+    assert want.returncode == 0, want.stderr
+    with ring([*args, "--shard", "tensor"], tmp_path) as (rank0, rank1):
+        out, err = rank0.communicate(timeout=TIMEOUT)
+        rank1.communicate(timeout=30)
+    assert rank0.returncode == 0 and rank1.returncode == 0, err
+    assert json_of(out)["text"] == json_of(want.stdout)["text"]
