@@ -97,7 +97,7 @@ class PipelineLlamaModel(PipelineMixin, llama.LlamaModel):
             riding = [j for j in taps if start < j < end] if stage != 0 else []
             if stage == rank:
                 for i, (layer, c) in enumerate(zip(self.pipeline_layers, cache, strict=True)):
-                    if start < start + i in taps:
+                    if i > 0 and start + i in taps:  # (a tap at i = 0 was taken above)
                         taken[start + i] = h
                     h = layer(h, mask, cache=c)
                 payload = mx.concatenate([h, *(taken[j] for j in riding)], axis=-1) if riding else h
