@@ -40,10 +40,10 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.cpu import ops
+from mlxspec.cpu import jit, ops
 from mlxspec.switches import turned_off
 
-SWITCH = "MLXSPEC_FUSED_OPS"  # =0: MLX's own functions (and no JIT build: mlxspec.cpu.jit)
+SWITCH = jit.FUSED_OPS_SWITCH  # =0: MLX's own functions (and no JIT build: mlxspec.cpu.jit)
 # Token positions (the second-to-last axis) up to which an input takes the compiled path.
 MAX_FUSED_TOKENS = 64
 

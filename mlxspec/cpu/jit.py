@@ -96,10 +96,12 @@ def kernel_dir() -> Path:
     return Path(root) / "mlx" / mx.__version__ / "cpu"
 
 
-def _switched_off() -> bool:
-    from mlxspec.cpu import fused_ops  # its switch turns this off too
+# mlxspec.cpu.fused_ops's switch (defined here, which it imports): it turns these flags off too.
+FUSED_OPS_SWITCH = "MLXSPEC_FUSED_OPS"
 
-    return turned_off("MLXSPEC_JIT_FLAGS") or turned_off(fused_ops.SWITCH)
+
+def _switched_off() -> bool:
+    return turned_off("MLXSPEC_JIT_FLAGS") or turned_off(FUSED_OPS_SWITCH)
 
 
 def enable() -> bool:
