@@ -85,6 +85,7 @@ def quantize(
     act_order: bool = False,
     grid: int = rtn.DEFAULT_GRID,
     dtype: str = "float16",
+    static_groups: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """GPTQ-quantize one weight matrix.
 
@@ -96,6 +97,10 @@ def quantize(
         act_order: quantize columns by decreasing ``H[i, i]`` (the result is column-permuted).
         grid: clipping ratios tried per group (1 = min-max).
         dtype: the model's dtype; scales are exact in it (:func:`mlxspec.quant.rtn.find_params`).
+        static_groups: every group's scale and zero-point are chosen up front from the original
+            weights (AutoGPTQ's ``static_groups``), so that with ``act_order`` the groups stay in
+            the natural column order and no ``perm`` is needed (the result is returned
+            unpermuted, ``perm`` None).
 
     Returns:
         ``(q, scales, zeros, perm)``: uint8 ``(out, in)``, float32 ``(out, in / g)`` (exact in
@@ -110,24 +115,30 @@ def quantize(
     dead = np.diag(h) == 0  # inputs that were always zero: their weights cannot matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    perm = None
-    if act_order:
-        perm = np.argsort(-np.diag(h), kind="stable")
-        w, h = w[:, perm], h[perm][:, perm]
-    u = np.ascontiguousarray(_inverse_cholesky(h, damp))
-
     qmax = 2**bits - 1
     n_groups = in_features // group_size
     q = np.empty((out_features, in_features), np.uint8)
     scales = np.empty((out_features, n_groups), np.float32)
     zeros = np.empty((out_features, n_groups), np.float32)
+    if static_groups:
+        scales[:], zeros[:] = rtn.find_params(w.reshape(out_features, n_groups, group_size), bits,
+                                              grid=grid, dtype=dtype)
+    perm = None
+    if act_order:
+        perm = np.argsort(-np.diag(h), kind="stable")
+        w, h = w[:, perm], h[perm][:, perm]
+    group_of = (np.arange(in_features) if perm is None else perm) // group_size
+    u = np.ascontiguousarray(_inverse_cholesky(h, damp))
+
     for i1 in range(0, in_features, BLOCK_SIZE):
         i2 = min(i1 + BLOCK_SIZE, in_features)
         block = w[:, i1:i2].copy()
         errors = np.zeros_like(block)
         for j in range(i2 - i1):
             col = i1 + j
-            if col % group_size == 0:  # a new group starts: pick its parameters now
+            if static_groups:  # chosen up front; the column's own group, wherever it is visited
+                s, z = scales[:, group_of[col]], zeros[:, group_of[col]]
+            elif col % group_size == 0:  # a new group starts: pick its parameters now
                 s, z = rtn.find_params(block[:, j : j + group_size], bits, grid=grid, dtype=dtype)
                 scales[:, col // group_size], zeros[:, col // group_size] = s, z
             qcol = np.clip(np.rint(block[:, j] / s) + z, 0, qmax)
@@ -136,6 +147,10 @@ def quantize(
             block[:, j:] -= np.outer(err, u[col, col:i2])
             errors[:, j] = err
         w[:, i2:] -= errors @ u[i1:i2, i2:]
+    if static_groups and perm is not None:  # back to the natural column order
+        natural = np.empty_like(q)
+        natural[:, perm] = q
+        q, perm = natural, None
     return q, scales, zeros.astype(np.uint8), perm
 
 

@@ -157,6 +157,28 @@ def test_gptq_output_error_beats_rtn_on_correlated_inputs(act_order):
     assert output_error(dense(q, s, z, 64), perm) < 0.6 * rtn_error
 
 
+def test_gptq_static_groups_take_act_order_without_a_permutation():
+    # AutoGPTQ's static groups: every group's scale and zero-point are min-max of the original
+    # weights (round-to-nearest's), chosen before any column moves, so act-order's result is
+    # stored in the natural column order, and still beats round-to-nearest's output error.
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
+    x = correlated_inputs(rng, 4096, 256)
+    h = x.astype(np.float64).T @ x / len(x)
+    reference = x.astype(np.float64) @ w.T.astype(np.float64)
+    rtn_q, rtn_s, rtn_z = rtn.quantize(w, 4, 64)
+    q, s, z, perm = gptq.quantize(w, h, 4, 64, act_order=True, static_groups=True)
+    assert perm is None
+    np.testing.assert_array_equal(s, rtn_s)
+    np.testing.assert_array_equal(z, rtn_z)
+    assert np.mean(q != rtn_q) > 0.05  # GPTQ moved roundings, within the fixed groups
+
+    def output_error(weights):
+        return np.mean((x.astype(np.float64) @ weights.T - reference) ** 2)
+
+    assert output_error(dense(q, s, z, 64)) < 0.6 * output_error(dense(rtn_q, rtn_s, rtn_z, 64))
+
+
 def test_gptq_zeroes_dead_inputs_and_survives_a_rank_deficient_hessian():
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((16, 64)) * 0.02).astype(np.float32)
