@@ -104,6 +104,15 @@ def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array]
     return ops.greedy_candidates(logits, tie)
 
 
+def exp(x: mx.array) -> mx.array:
+    """``mx.exp(x)`` lazily; float32 on the CPU backend as one vectorized op with MLX's own bits
+    (MLX's Linux build computes exp one element at a time through a software fma: 0.65 ms for a
+    49,152-token row of probabilities)."""
+    from mlxspec.cpu import ops
+
+    return ops.exp(x)
+
+
 def quantized_products() -> bool:
     """Whether quantized weights stay packed on this CPU: the kernel of :mod:`mlxspec.cpu.quantized`
     is built and checked (built on the first call, ~20 s once per machine). False where Metal

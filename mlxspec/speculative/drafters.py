@@ -33,6 +33,7 @@ from mlxspec.sampling import (
     gumbel_argmax,
     normalized_logprobs,
     processed_logprobs,
+    processed_probs,
     sample,
 )
 from mlxspec.speculative.planner import PassCosts
@@ -238,7 +239,7 @@ class DraftModelDrafter(Drafter):
                 y = gumbel_argmax(q_log, keys(i))
                 confidence = mx.exp(mx.max(q_log))
             else:  # sampling: draw from the draft's processed distribution q and report q
-                q = mx.exp(processed_logprobs(logprobs, sampling))
+                q = processed_probs(logprobs, sampling)
                 y = sample(q)
                 probs.append(q)
                 confidence = mx.max(q)

@@ -27,7 +27,13 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxspec.cache import cache_offset, trim_cache
 from mlxspec.errors import UnsupportedModelError
-from mlxspec.sampling import gumbel_argmax, normalized_logprobs, processed_logprobs, sample
+from mlxspec.sampling import (
+    gumbel_argmax,
+    normalized_logprobs,
+    processed_logprobs,
+    processed_probs,
+    sample,
+)
 from mlxspec.speculative.drafters import CATCH_UP_IN_STEP, Draft, Drafter, _draft_of
 from mlxspec.speculative.eagle3 import Eagle3Head
 
@@ -286,7 +292,7 @@ class FeatureDrafter(Drafter):
                 elif keys is not None:  # seeded: the Gumbel-max draw with the position's key
                     y = gumbel_argmax(processed_logprobs(logprobs, sampling), keys(i))
                 else:  # sampling: draw from the processed draft distribution q and report q
-                    q = mx.exp(processed_logprobs(logprobs, sampling))
+                    q = processed_probs(logprobs, sampling)
                     y = sample(q)
                     probs.append(q)
             drafted = mx.concatenate([drafted, y.reshape(1).astype(mx.uint32)])

@@ -1,0 +1,94 @@
+"""mlxspec.cpu.ops' exp and logsumexp: vectorized, bitwise MLX's own.
+
+MLX's Linux build computes exp one element at a time through a software fma; the primitives
+run MLX's own exp vectorized, and logsumexp in MLX's order. The references are MLX's own ops
+(bit for bit) and float64 numpy (closely).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxspec import cpu
+from mlxspec.cpu import ops as cpu_ops
+
+
+@pytest.fixture(autouse=True)
+def in_place():
+    if shutil.which("g++") is None:
+        pytest.skip("no g++: the primitives cannot be built here, MLX's own ops run instead")
+    was_enabled = cpu_ops.enabled()
+    assert cpu_ops.enable()
+    yield
+    if not was_enabled:
+        cpu_ops.disable()
+
+
+def mlx_logsumexp(x, **kwargs):
+    return cpu_ops._state["logsumexp"](x, **kwargs)
+
+
+def logits(shape, seed=0, scale=8.0) -> mx.array:
+    return mx.array(scale * np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(49152,), (1, 49152), (4, 3001), (2, 3, 257)])
+def test_logsumexp_and_exp_are_bitwise_mlx_own(shape):
+    x = logits(shape)
+    ours = mx.logsumexp(x, axis=-1, keepdims=True)
+    assert mx.array_equal(ours, mlx_logsumexp(x, axis=-1, keepdims=True)).item()
+    assert mx.array_equal(cpu.exp(x), mx.exp(x)).item()
+    x64 = np.array(x, dtype=np.float64)
+    top = x64.max(-1, keepdims=True)
+    expected = top + np.log(np.exp(x64 - top).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.array(ours), expected, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.array(cpu.exp(x)), np.exp(x64), rtol=2e-6)
+
+
+def test_infinities_and_strided_rows_are_mlx_own():
+    x = logits((3, 4000), seed=1)
+    x[1, :] = -mx.inf  # a row a processor ruled out entirely
+    x[2, 7] = mx.inf
+    for rows in (x, x[:, ::3], x.T[::7].T):  # contiguous, strided, column-major
+        assert mx.array_equal(mx.logsumexp(rows, -1), mlx_logsumexp(rows, axis=-1),
+                              equal_nan=True).item()
+        assert mx.array_equal(cpu.exp(rows), mx.exp(rows)).item()
+
+
+def test_only_float32_over_the_last_axis_takes_the_primitive():
+    def names(out):
+        import io
+        import re
+
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+        return re.findall(r'label ="([A-Za-z]+)', dot.getvalue())
+
+    x = logits((4, 300))
+    assert "MlxspecCpuLogSumExp" in names(mx.logsumexp(x, axis=-1))
+    assert "MlxspecCpuLogSumExp" in names(mx.logsumexp(x, axis=1, keepdims=True))
+    for other in (mx.logsumexp(x, axis=0), mx.logsumexp(x), mx.logsumexp(x.astype(mx.float16), -1)):
+        assert "MlxspecCpuLogSumExp" not in names(other)
+    assert mx.logsumexp(x, axis=-1).shape == (4,)
+    assert mx.array_equal(mx.logsumexp(x, axis=0), mlx_logsumexp(x, axis=0)).item()
+
+
+def test_gradients_are_mlx_own():
+    x, w = logits((3, 500), seed=2), logits((3,), seed=3)
+    ours = mx.grad(lambda a: (mx.logsumexp(a, -1) * w).sum())(x)
+    theirs = mx.grad(lambda a: (mlx_logsumexp(a, axis=-1) * w).sum())(x)
+    assert mx.array_equal(ours, theirs).item()
+    ours = mx.grad(lambda a: (cpu.exp(a) * x).sum())(x / 8)
+    theirs = mx.grad(lambda a: (mx.exp(a) * x).sum())(x / 8)
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_disable_puts_mlx_own_back():
+    original = cpu_ops._state["logsumexp"]
+    cpu_ops.disable()
+    assert mx.logsumexp is original
+    assert cpu_ops.enable() and mx.logsumexp is cpu_ops.logsumexp
