@@ -264,9 +264,10 @@ class FeatureDrafter(Drafter):
         self.target.drop_before(end - 1)  # the last entry may be recomputed (``begin``)
         return out[:, -1:], need
 
-    def _full_logits(self, draft_logits: mx.array) -> mx.array:
-        """(1, vocab) logits over the target's vocabulary: -inf off the draft vocabulary."""
-        pad = mx.full((1, 1), -mx.inf, draft_logits.dtype)
+    def _full_logits(self, draft_logits: mx.array, fill: float = -mx.inf) -> mx.array:
+        """(1, vocab) values over the target's vocabulary from (1, draft_vocab) ones: ``fill``
+        off the draft vocabulary (-inf for logits, 0 for probabilities)."""
+        pad = mx.full((1, 1), fill, draft_logits.dtype)
         return mx.concatenate([draft_logits, pad], axis=-1)[:, self.full_index]
 
     def propose(self, k, sampling, logits_processor=None, keys=None) -> Draft:
@@ -279,6 +280,13 @@ class FeatureDrafter(Drafter):
             logits = self.head.logits(h[0]).astype(mx.float32)  # (1, draft_vocab)
             if sampling.greedy and logits_processor is None:
                 y = self.draft_ids[mx.argmax(logits, axis=-1)].astype(mx.uint32)
+            elif logits_processor is None and keys is None:
+                # Rejection sampling, no processors: q is 0 off the draft vocabulary, so it is
+                # computed and drawn from there alone (4,096 tokens, not 49,152: ~1 ms less a
+                # drafted token on a CPU) and reported over the whole vocabulary.
+                q = processed_probs(normalized_logprobs(logits), sampling)
+                y = self.draft_ids[sample(q)].astype(mx.uint32)
+                probs.append(self._full_logits(q, fill=0.0))
             else:
                 logits = self._full_logits(logits)
                 if logits_processor is not None:  # the target's, with the drafted history

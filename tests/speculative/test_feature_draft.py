@@ -225,12 +225,14 @@ def test_a_cached_prefix_gets_its_features_computed_again_and_decoding_stays_exa
 
 
 VOCAB = 8
-def test_feature_draft_sampling_keeps_plain_samplings_joint_distribution(tmp_path):
-    # The draft vocabulary leaves out tokens the target samples (4, 6): they have q = 0.
+@pytest.mark.parametrize("with_processors", [True, False])
+def test_feature_draft_sampling_keeps_plain_samplings_joint_distribution(tmp_path, with_processors):
+    # The draft vocabulary leaves out tokens the target samples (4, 6): they have q = 0. Without
+    # processors the draft draws over its own vocabulary and reports q over the target's.
     target = tiny_llama(2, layers=LAYERS, vocab=VOCAB, scale=2.5, hidden=HIDDEN)
     drafter = _drafter(tmp_path, target, VOCAB, [0, 1, 2, 3, 5, 7])
-    exact = exact_joint(target, 3)
-    processors = make_logits_processors(BIAS, PENALTY)
+    exact = exact_joint(target, 3, processors=with_processors)
+    processors = make_logits_processors(BIAS, PENALTY) if with_processors else None
     stats, counts, runs = SpecStats(), {}, 1200
     mx.random.seed(0)
     for _ in range(runs):
