@@ -146,13 +146,17 @@ def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array]
 
 def logsumexp(a: mx.array, axis: int | list[int] | None = None, keepdims: bool = False, *,
               stream=None) -> mx.array:
-    """``mx.logsumexp``: the primitive for float32 over the last axis (a log-softmax's), else
-    MLX's own. Bitwise MLX's either way."""
+    """``mx.logsumexp``: the primitive for float32 over the last axis (a log-softmax's; also
+    every axis of a single row, as mlx-lm's decoding asks), else MLX's own. Bitwise MLX's."""
     module = _state.get("module")
-    last = axis == -1 or axis == [-1] or (a.ndim and axis in (a.ndim - 1, [a.ndim - 1]))
-    if module is not None and stream is None and last and a.dtype == mx.float32 and a.size:
+    row = a.ndim >= 1 and all(d == 1 for d in a.shape[:-1])
+    last = axis in (-1, [-1], (-1,)) or (a.ndim and axis in (a.ndim - 1, [a.ndim - 1]))
+    if (module is not None and stream is None and (last or (axis is None and row))
+            and a.dtype == mx.float32 and a.size):
         out = module.logsumexp(a)
-        return out if keepdims else out.squeeze(-1)
+        if keepdims:
+            return out
+        return out.reshape(()) if axis is None else out.squeeze(-1)
     reference: Callable = _state.get("logsumexp", mx.logsumexp)
     return reference(a, axis=axis, keepdims=keepdims, stream=stream)
 

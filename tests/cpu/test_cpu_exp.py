@@ -73,6 +73,12 @@ def test_only_float32_over_the_last_axis_takes_the_primitive():
     assert "MlxspecCpuLogSumExp" in names(mx.logsumexp(x, axis=1, keepdims=True))
     for other in (mx.logsumexp(x, axis=0), mx.logsumexp(x), mx.logsumexp(x.astype(mx.float16), -1)):
         assert "MlxspecCpuLogSumExp" not in names(other)
+    row = x[:1]  # mlx-lm's decoding: logits (1, vocab), every axis, keepdims
+    for keepdims in (True, False):
+        ours = mx.logsumexp(row, keepdims=keepdims)
+        assert "MlxspecCpuLogSumExp" in names(ours)
+        assert mx.array_equal(ours, mlx_logsumexp(row, keepdims=keepdims)).item()
+        assert ours.shape == mlx_logsumexp(row, keepdims=keepdims).shape
     assert mx.logsumexp(x, axis=-1).shape == (4,)
     assert mx.array_equal(mx.logsumexp(x, axis=0), mlx_logsumexp(x, axis=0)).item()
 
