@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-from mlxspec import cpu
+from mlxspec.cpu import exp
 from mlxspec.errors import InvalidArgumentError
 
 # (token history (n,) int, logits (1, vocab)) -> logits, as mlx-lm's logits processors.
@@ -135,7 +135,7 @@ def processed_logprobs(logprobs: mx.array, sampling: SamplingParams) -> mx.array
 
 def processed_probs(logprobs: mx.array, sampling: SamplingParams) -> mx.array:
     """(..., vocab) probabilities of the processed distribution (see ``processed_logprobs``)."""
-    return cpu.exp(processed_logprobs(logprobs, sampling))
+    return exp(processed_logprobs(logprobs, sampling))  # one vectorized op on a CPU
 
 
 def sample(probs: mx.array, key: mx.array | None = None) -> mx.array:
