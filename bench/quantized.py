@@ -260,6 +260,74 @@ def calibration_set_file(name: str, which: str, out_root: str,
     return str(path)
 
 
+def head_study(name: str, windows: int, out_root: str, variants: list[str],
+               calibration: tuple[int, int] = (16, 256), rows_file: str | None = None,
+               block_act_order: bool = False) -> list[dict]:
+    """Where a 4-bit g64 model's KL comes from: its decoder blocks quantized once with awq+gptq
+    (the default; ``block_act_order``: GPTQ's act-order with static groups in the blocks), on the
+    anchor comparison's calibration text (:func:`calibration_set_file`, ``mix``), then the output
+    head (a tied embedding table: the input embedding too) swapped among ``variants``, each
+    judged per domain like the anchor rows (in process, float32, the same held-out windows):
+
+    ``float`` (the head left unquantized), ``rtnN`` (round-to-nearest, N clipping ratios), and
+    ``gptq:damp=D[:grid=N][:ao=1]`` (GPTQ on the final norm's outputs over the calibration
+    tokens, as ``mlxspec.quant.quantize`` does; ``ao=1`` act-order with static groups)."""
+    from mlxspec import cpu
+    from mlxspec.evaluation import compare_domains, domain_windows
+    from mlxspec.load import load, resolve_model_path
+    from mlxspec.quant import awq, calibrate, gptq
+    from mlxspec.quant import quantize as q
+    from mlxspec.quant.layers import replace_modules, zero_point_like
+    from mlxspec.quant.mixed import plan_layers
+
+    source = str(resolve_model_path(model_spec(name)))
+    reference, tokenizer = load(source)
+    cached = CachedLogits(reference)
+    eval_windows = domain_windows(tokenizer, windows=windows)
+    text = calibration_set_file(name, "mix", out_root, calibration)
+    tokens, _ = calibrate.calibration_windows(tokenizer, text, windows=calibration[0],
+                                              window_tokens=calibration[1])
+    model, _ = load(source)
+    plan = plan_layers(model, 4, 64, group_fallback=True)
+    path, float_head, norm = q.output_head(model)
+    step = awq.AWQ(grid=1, dtype=mx.float32, rounding="gptq", act_order=block_act_order)
+    _, hidden = q._calibrated_blocks(model, plan, mx.array(tokens), step, lambda: None)
+    hessian = gptq.Hessian(float_head.weight.shape[1])
+    for x in hidden:
+        hessian.add(norm(x))
+    weight = np.array(float_head.weight.astype(mx.float32))
+    rows = []
+    for variant in variants:
+        if variant == "float":
+            layer = float_head
+        elif variant.startswith("rtn"):
+            layer = q._rtn_layer(float_head, plan[path], int(variant[3:]), mx.float32)
+        else:
+            o = dict(kv.split("=") for kv in variant.split(":")[1:])
+            act_order = bool(int(o.get("ao", 0)))
+            qw, scales, zeros, _ = gptq.quantize(
+                weight, hessian.matrix(), 4, 64, damp=float(o.get("damp", gptq.DEFAULT_DAMP)),
+                grid=int(o.get("grid", 1)), act_order=act_order, static_groups=act_order,
+                dtype="float32")
+            layer = zero_point_like(float_head, qw, scales, zeros, bits=4, group_size=64,
+                                    dtype=mx.float32)
+        replace_modules(model, {path: layer})
+        result = compare_domains(model, cached, eval_windows)
+        row = {"model": name, "bits": 4, "group_size": 64, "blocks": "awq+gptq"
+               + (" act-order (static groups)" if block_act_order else ""), "head": variant,
+               "calibration": f"mix {calibration[0]} x {calibration[1]}",
+               "kl_mean": result["kl_mean"], "worst_domain": result["worst"]["domain"],
+               "domains": {d: {k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement")}
+                           for d, r in result["domains"].items()},
+               "cpu": cpu.cpu_model(), "load_average_1min": round(os.getloadavg()[0], 2)}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        if rows_file:
+            with open(rows_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        rows.append(row)
+    return rows
+
+
 def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("gptq", "awq"),
             methods=("rtn", "gptq", "awq", "awq+gptq"), rows_file: str | None = None,
             calibration: tuple[int, int] | None = None, reuse: bool = False,
@@ -556,6 +624,12 @@ def main() -> None:
     parser.add_argument("--anchor-rows", default=None,
                         help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--head-study", default=None, metavar="VARIANTS",
+                        help="blocks awq+gptq 4-bit g64, then these output-head variants, e.g. "
+                             "float,rtn10,gptq:damp=0.01,gptq:damp=0.1,gptq:damp=0.01:ao=1 "
+                             "(rows into --anchor-rows; --head-study-act-order: act-order in "
+                             "the blocks too)")
+    parser.add_argument("--head-study-act-order", action="store_true")
     parser.add_argument("--table", default=None, metavar="ROWS_JSONL",
                         help="only print the per-domain markdown tables of an --anchor-rows file")
     args = parser.parse_args()
@@ -587,6 +661,12 @@ def main() -> None:
                              for r in quality(n, args.windows, args.calibration_windows, methods)]
     if args.exactness_cost:
         result["exactness_cost"] = [r for n in names for r in exactness_cost(n, args.windows)]
+    if args.head_study:
+        result["head_study"] = [
+            r for n in names
+            for r in head_study(n, args.windows, args.anchor_dir, args.head_study.split(","),
+                                rows_file=args.anchor_rows,
+                                block_act_order=args.head_study_act_order)]
     if args.mlx_lm_anchors:
         tools = [t for t in args.mlx_lm_anchors.split(",") if t != "none"]  # none: mlxspec only
         cases = [tuple(int(x) for x in c.split("g")) for c in args.anchor_cases.split(",")]

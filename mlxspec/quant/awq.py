@@ -180,6 +180,7 @@ class AWQ:
     dtype: mx.Dtype = mx.float16
     rounding: str = "rtn"
     damp: float = gptq.DEFAULT_DAMP
+    act_order: bool = False  # GPTQ rounding: columns by decreasing activation, static groups
     unscaled_blocks: list[str] = field(default_factory=list)  # awq+gptq blocks left unscaled
     needs_norms: ClassVar[bool] = True
 
@@ -202,7 +203,9 @@ class AWQ:
             if self.rounding == "gptq":
                 q, scales, zeros, _ = gptq.quantize(w, hessians[name], spec.bits, spec.group_size,
                                                     damp=self.damp, grid=self.grid,
-                                                    dtype=dtype_name(self.dtype))
+                                                    dtype=dtype_name(self.dtype),
+                                                    act_order=self.act_order,
+                                                    static_groups=self.act_order)
             else:
                 q, scales, zeros = rtn.quantize(
                     w, spec.bits, spec.group_size, grid=self.grid,
