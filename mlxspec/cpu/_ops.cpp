@@ -272,17 +272,45 @@ void attend(const Problem &p) {
   }
 }
 
-class CpuAttention : public mx::UnaryPrimitive {
+/* What the single-output primitives here share: they run on the CPU stream only, allocate their
+ * output and register their arrays with the stream's encoder (begin), and take their gradients
+ * through an MLX composition computing the same function (vjp_of). */
+class CpuPrimitive : public mx::UnaryPrimitive {
  public:
-  CpuAttention(mx::Stream stream, int mask_kind)
-      : mx::UnaryPrimitive(stream), mask_kind_(mask_kind) {}
+  using mx::UnaryPrimitive::UnaryPrimitive;
 
-  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+    throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
+  }
+
+ protected:
+  mx::cpu::CommandEncoder &begin(const std::vector<mx::array> &inputs, mx::array &out) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto &encoder = mx::cpu::get_command_encoder(stream());
     for (const auto &input : inputs) encoder.set_input_array(input);
     encoder.set_output_array(out);
+    return encoder;
+  }
+
+  using Composed = std::function<std::vector<mx::array>(const std::vector<mx::array> &)>;
+  static std::vector<mx::array> vjp_of(const Composed &composed,
+                                       const std::vector<mx::array> &primals,
+                                       const std::vector<mx::array> &cotangents,
+                                       const std::vector<int> &argnums) {
+    auto grads = mx::vjp(composed, primals, cotangents).second;
+    std::vector<mx::array> result;
+    for (int i : argnums) result.push_back(grads[i]);
+    return result;
+  }
+};
+
+class CpuAttention : public CpuPrimitive {
+ public:
+  CpuAttention(mx::Stream stream, int mask_kind) : CpuPrimitive(stream), mask_kind_(mask_kind) {}
+
+  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    auto &encoder = begin(inputs, out);
     Problem p{(int)q.shape(0), (int)q.shape(1), (int)k.shape(1), (int)q.shape(2), (int)k.shape(2),
               (int)q.shape(3), mask_kind_, q.data<float>(), k.data<float>(),
               v.data<float>(), nullptr, q.strides(), k.strides(), v.strides(), {}, out.data<float>()};
@@ -291,10 +319,6 @@ class CpuAttention : public mx::UnaryPrimitive {
       p.mask_strides = inputs[3].strides();
     }
     encoder.dispatch([p = std::move(p)]() { attend(p); });
-  }
-
-  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-    throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
   }
 
   /* Gradients through MLX's own composition (q already scaled: scale 1 multiplies exactly). */
@@ -310,10 +334,7 @@ class CpuAttention : public mx::UnaryPrimitive {
       return std::vector<mx::array>{
           mx::fast::scaled_dot_product_attention(in[0], in[1], in[2], 1.0f, mode, mask)};
     };
-    auto grads = mx::vjp(composed, primals, cotangents).second;
-    std::vector<mx::array> result;
-    for (int i : argnums) result.push_back(grads[i]);
-    return result;
+    return vjp_of(composed, primals, cotangents, argnums);
   }
 
   const char *name() const override { return "MlxspecCpuAttention"; }
@@ -506,25 +527,18 @@ void rotate(const Rotation &r) {
       }
 }
 
-class CpuRope : public mx::UnaryPrimitive {
+class CpuRope : public CpuPrimitive {
  public:
   CpuRope(mx::Stream stream, int dims, bool traditional)
-      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional) {}
+      : CpuPrimitive(stream), dims_(dims), traditional_(traditional) {}
 
   void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
     const mx::array &x = inputs[0], &c = inputs[1], &s = inputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto &encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto &input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
+    auto &encoder = begin(inputs, out);
     Rotation r{(int)x.shape(0), (int)x.shape(1), (int)x.shape(2), (int)x.shape(3), dims_,
                traditional_, x.data<float>(), c.data<float>(), s.data<float>(), x.strides(),
                c.strides(), s.strides(), out.data<float>()};
     encoder.dispatch([r = std::move(r)]() { rotate(r); });
-  }
-
-  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-    throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
   }
 
   std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
@@ -536,10 +550,7 @@ class CpuRope : public mx::UnaryPrimitive {
     auto composed = [dims, traditional](const std::vector<mx::array> &in) {
       return std::vector<mx::array>{rotation_ops(in[0], in[1], in[2], dims, traditional)};
     };
-    auto grads = mx::vjp(composed, primals, cotangents).second;
-    std::vector<mx::array> result;
-    for (int i : argnums) result.push_back(grads[i]);
-    return result;
+    return vjp_of(composed, primals, cotangents, argnums);
   }
 
   const char *name() const override { return "MlxspecCpuRope"; }
@@ -631,25 +642,18 @@ void logsumexp_rows(const RowsJob &j) {
   }
 }
 
-class CpuRows : public mx::UnaryPrimitive {
+class CpuRows : public CpuPrimitive {
  public:
-  CpuRows(mx::Stream stream, bool reduce) : mx::UnaryPrimitive(stream), reduce_(reduce) {}
+  CpuRows(mx::Stream stream, bool reduce) : CpuPrimitive(stream), reduce_(reduce) {}
 
   void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
     const mx::array &x = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto &encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
+    auto &encoder = begin(inputs, out);
     RowsJob j{x.data<float>(), out.data<float>(), x.shape(), x.strides()};
     if (reduce_)
       encoder.dispatch([j = std::move(j)]() { logsumexp_rows(j); });
     else
       encoder.dispatch([j = std::move(j)]() { exp_rows(j); });
-  }
-
-  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-    throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
   }
 
   std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
@@ -660,7 +664,7 @@ class CpuRows : public mx::UnaryPrimitive {
     auto composed = [reduce](const std::vector<mx::array> &in) {
       return std::vector<mx::array>{reduce ? mx::logsumexp(in[0], -1, true) : mx::exp(in[0])};
     };
-    return {mx::vjp(composed, primals, cotangents).second[0]};
+    return vjp_of(composed, primals, cotangents, argnums);
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
