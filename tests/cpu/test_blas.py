@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_builds import home_sharing_cpu_builds
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux", reason="mlxspec.cpu.blas only acts on Linux (macOS MLX uses Accelerate)"
@@ -52,8 +53,9 @@ def run_with_blas(code: str, blas: str | None, home: Path, **env: str) -> dict:
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
-    """One MLXSPEC_HOME for the module, so the shim is compiled once."""
-    return tmp_path_factory.mktemp("mlxspec_home")
+    """One MLXSPEC_HOME for the module, so the shim is compiled once (the CPU ops and kernels,
+    which the shim's tests do not concern, are the session's)."""
+    return home_sharing_cpu_builds(tmp_path_factory.mktemp("mlxspec_home"))
 
 
 # -- matmul and LAPACK numerics against float64 numpy ---------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_builds import home_sharing_cpu_builds
 
 from mlxspec.cpu import jit as cpu_jit
 
@@ -66,7 +67,8 @@ def _run(tmp_path: Path, model_dir: Path, name: str, **env: str) -> dict:
     kernels.mkdir(parents=True)
     (kernels / cpu_jit.STAMP).write_text(" ".join(cpu_jit.FLAGS) + "\n")
     out = tmp_path / f"{name}.npz"
-    environment = {**os.environ, "TMPDIR": str(cache), "MLXSPEC_HOME": str(tmp_path / "home"),
+    home = home_sharing_cpu_builds(tmp_path / "home")  # MLX's JIT cache is the fresh one here
+    environment = {**os.environ, "TMPDIR": str(cache), "MLXSPEC_HOME": str(home),
                    "OPENBLAS_NUM_THREADS": "1", **env}
     proc = subprocess.run([sys.executable, "-c", KERNELS, str(out), str(model_dir)],
                           capture_output=True,
