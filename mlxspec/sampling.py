@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-from mlxspec.cpu import exp
+from mlxspec.cpu import argmax, exp
 from mlxspec.errors import InvalidArgumentError
 
 # (token history (n,) int, logits (1, vocab)) -> logits, as mlx-lm's logits processors.
@@ -68,7 +68,9 @@ class SamplingParams:
         same distribution drawn with ``position_key(seed, p)`` for the p-th call, ``p`` counting
         from ``position`` (the absolute position of the first token it draws).
         """
-        if seed is None or self.greedy:
+        if self.greedy:
+            return argmax  # mlx-lm's greedy sampler's answer, in one vectorized op on a CPU
+        if seed is None:
             top_p = self.top_p if self.top_p < 1.0 else 0.0
             sampler = make_sampler(self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
             if self.top_k == 0:

@@ -144,6 +144,17 @@ def greedy_candidates(logits: mx.array, tie: float) -> tuple[mx.array, mx.array]
     return tuple(module.greedy_candidates(logits, float(tie)))
 
 
+def argmax(x: mx.array) -> mx.array:
+    """``mx.argmax(x, axis=-1)`` (uint32), for float32 by the greedy-candidates primitive (16 lanes
+    at a time, MLX's answer: the first NaN, else the first largest): MLX's own scans a
+    49,152-token row one value at a time, ~0.3 ms."""
+    module = _state.get("module")
+    if module is None or x.dtype != mx.float32 or x.ndim < 1 or x.size == 0:
+        return mx.argmax(x, axis=-1)
+    top, _ = module.greedy_candidates(x.reshape(-1, x.shape[-1]), 0.0)
+    return top.reshape(x.shape[:-1])
+
+
 def logsumexp(a: mx.array, axis: int | list[int] | None = None, keepdims: bool = False, *,
               stream=None) -> mx.array:
     """``mx.logsumexp``: the primitive for float32 over the last axis (a log-softmax's; also

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxspec.cpu import argmax
 from mlxspec.sampling import gumbel_argmax, sample
 
 
@@ -31,7 +32,7 @@ def verify_greedy(target_logprobs: mx.array, draft_tokens: mx.array) -> tuple[mx
         ``(accepted, token)``, both (...): how many drafts equal the target's argmax, and the
         target's own token after them.
     """
-    target_tokens = mx.argmax(target_logprobs, axis=-1)  # what plain greedy decoding would emit
+    target_tokens = argmax(target_logprobs)  # what plain greedy decoding would emit
     return _keep_agreeing_prefix(target_tokens, draft_tokens)
 
 

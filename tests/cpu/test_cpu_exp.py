@@ -1,8 +1,8 @@
-"""mlxspec.cpu.ops' exp and logsumexp: vectorized, bitwise MLX's own.
+"""mlxspec.cpu.ops' exp, logsumexp and argmax: vectorized, bitwise MLX's own.
 
-MLX's Linux build computes exp one element at a time through a software fma; the primitives
-run MLX's own exp vectorized, and logsumexp in MLX's order. The references are MLX's own ops
-(bit for bit) and float64 numpy (closely).
+MLX's Linux build computes exp one element at a time through a software fma and scans argmax
+one value at a time; the primitives run MLX's own exp vectorized, logsumexp in MLX's order,
+argmax 16 lanes at a time. The references are MLX's own ops (bit for bit) and float64 numpy.
 """
 
 from __future__ import annotations
@@ -98,3 +98,16 @@ def test_disable_puts_mlx_own_back():
     cpu_ops.disable()
     assert mx.logsumexp is original
     assert cpu_ops.enable() and mx.logsumexp is cpu_ops.logsumexp
+
+
+def test_argmax_is_mlx_own_with_ties_nans_and_infinities():
+    x = logits((6, 49152), seed=4)
+    x[1, 5] = x[1, 900] = 100.0  # a tie: the first
+    x[2, 4000] = mx.nan  # a NaN: MLX's argmax answers it
+    x[3, :] = -mx.inf
+    x[4, 77] = mx.inf
+    for rows in (x, x[2], x.reshape(2, 3, 49152), x[:, ::5], x.astype(mx.float16)):
+        ours, theirs = cpu.argmax(rows), mx.argmax(rows, axis=-1)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert mx.array_equal(ours, theirs).item()
+
