@@ -700,6 +700,83 @@ mx::array logsumexp_op(const mx::array &x) {
   return mx::array(shape, mx::float32, std::make_shared<CpuRows>(mx::to_stream({}), true), {x});
 }
 
+/* MLX's RMSNorm fallback (fast.cpp; float32 input and weight) as one op where it is three
+ * (square, sum, and the compiled rest): per row, the squares summed left to right (its reduce
+ * runs one lane here), times float(1 / n), plus eps, 1 / sqrt, times x, times the weight; every
+ * operation rounded on its own, in MLX's order. Gradients through MLX's own function. */
+struct NormJob {
+  const float *x, *w;
+  float *out;
+  mx::Shape shape;
+  mx::Strides strides;
+  int64_t w_stride;
+  float eps, inverse_n;
+};
+
+void rms_norm_rows(const NormJob &j) {
+  const int n = j.shape.back();
+  const int64_t rows = std::accumulate(j.shape.begin(), j.shape.end() - 1, (int64_t)1,
+                                       std::multiplies<int64_t>());
+  const int64_t step = j.strides.back();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *x = j.x + row_offset(j.shape, j.strides, r);
+    float *o = j.out + r * n;
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) sum += x[i * step] * x[i * step];
+    const float scale = 1.0f / std::sqrt(sum * j.inverse_n + j.eps);
+    if (step == 1 && j.w_stride == 1)  // the common case, vectorized
+      for (int i = 0; i < n; ++i) o[i] = (x[i] * scale) * j.w[i];
+    else
+      for (int i = 0; i < n; ++i) o[i] = (x[i * step] * scale) * j.w[i * j.w_stride];
+  }
+}
+
+class CpuRmsNorm : public CpuPrimitive {
+ public:
+  CpuRmsNorm(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+    const mx::array &x = inputs[0], &w = inputs[1];
+    auto &encoder = begin(inputs, out);
+    NormJob j{x.data<float>(), w.data<float>(), out.data<float>(), x.shape(), x.strides(),
+              w.strides()[0], eps_, (float)(1.0 / x.shape(-1))};
+    encoder.dispatch([j = std::move(j)]() { rms_norm_rows(j); });
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
+                             const std::vector<mx::array> &cotangents,
+                             const std::vector<int> &argnums,
+                             const std::vector<mx::array> &) override {
+    const float eps = eps_;
+    auto composed = [eps](const std::vector<mx::array> &in) {
+      return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps)};
+    };
+    return vjp_of(composed, primals, cotangents, argnums);
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char *name() const override { return "MlxspecCpuRmsNorm"; }
+
+  bool is_equivalent(const mx::Primitive &other) const override {
+    return eps_ == static_cast<const CpuRmsNorm &>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+/* x (..., n) float32 (any strides), weight (n,) float32: (..., n) row-contiguous. */
+mx::array rms_norm_op(const mx::array &x, const mx::array &weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 ||
+      weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.size() == 0)
+    throw std::invalid_argument("[mlxspec cpu_ops] rms_norm takes float32 (..., n) and (n,)");
+  return mx::array(x.shape(), mx::float32, std::make_shared<CpuRmsNorm>(mx::to_stream({}), eps),
+                   {x, weight});
+}
+
 }  // namespace
 
 NB_MODULE(_mlxspec_cpu_ops, m) {
@@ -708,6 +785,7 @@ NB_MODULE(_mlxspec_cpu_ops, m) {
   m.def("greedy_candidates", &greedy_candidates, nb::arg("logits"), nb::arg("tie"));
   m.def("exp", &exp_op, nb::arg("x"));
   m.def("logsumexp", &logsumexp_op, nb::arg("x"));
+  m.def("rms_norm", &rms_norm_op, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("dims"),
         nb::arg("traditional"));
 }

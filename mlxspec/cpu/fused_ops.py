@@ -11,7 +11,8 @@ RoPE calls and 61 norms; beyond the weight products, the step's time is mostly t
 ``mx.compile``, so the same reference graph is traced once per input shape and its elementwise
 chains run as one JIT-compiled kernel each (the decode step: 2,559 ops). A cached forward's
 RoPE calls at one position (2 a layer) share their cosine and sine tables, built once by MLX's
-own function, so each further call is only its rotation. The kernels compute the same float
+own function, so each further call is only its rotation (one op: :mod:`mlxspec.cpu.ops`, which
+also runs float32 RMSNorm as one op). The kernels compute the same float
 operations in the same order, so the outputs are bitwise those of the reference graph
 (``tests/cpu/test_fused_ops.py`` compares them over shapes, dtypes, offsets and a real model's
 decoding). Measured in ``bench/fused_ops.py`` (``bench/results/fused_ops.json``: a one-token
@@ -213,6 +214,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -
     """``mx.fast.rms_norm``, compiled for inputs of at most ``MAX_FUSED_TOKENS`` positions."""
     small = x.ndim < 2 or x.shape[-2] <= MAX_FUSED_TOKENS
     if _reference and stream is None and weight is not None and small:
-        return _compiled_rms_norm(float(eps))(x, weight)
+        single = ops.rms_norm(x, weight, eps)  # one op, where built (float32)
+        return _compiled_rms_norm(float(eps))(x, weight) if single is None else single
     reference = _reference.get("rms_norm", mx.fast.rms_norm)
     return reference(x, weight, eps, stream=stream)

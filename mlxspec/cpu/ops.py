@@ -1,5 +1,5 @@
-"""Attention, the greedy argmax, RoPE's rotation, exp and logsumexp on a CPU-only MLX as single
-ops: the same bits as MLX's own.
+"""Attention, the greedy argmax, RoPE's rotation, RMSNorm, exp and logsumexp on a CPU-only MLX
+as single ops: the same bits as MLX's own.
 
 MLX has no CPU attention kernel: ``mx.fast.scaled_dot_product_attention`` composes it from ops
 (q scaled, a BLAS product per row and query head for q k^T, the mask, a softmax, a product per row
@@ -7,22 +7,22 @@ and head for p v), and its softmax runs MLX's ``exp`` one value at a time throug
 ``fmaf`` (the Linux wheel targets baseline x86-64). Over 8 rows of SmolLM2 (30 layers, 9 heads,
 ~100 positions) that is ~9 ms of a ~63 ms decode step, and it grows with every row.
 
-``_ops.cpp`` holds five MLX primitives. The attention makes the same BLAS calls on the same
+``_ops.cpp`` holds six MLX primitives. The attention makes the same BLAS calls on the same
 operands (a KV head's query heads in one call where mlxspec's BLAS shim computes each output
 alone: the same bits), applies the mask as MLX does and runs MLX's softmax in MLX's order with
 MLX's ``exp`` inlined and vectorized. ``greedy_candidates`` is
 :func:`mlxspec.serving.rows.greedy_candidates` (argmax and near-tie count per row) in one pass
 instead of three scalar ones. ``rope`` is RoPE's rotation from the cosine and sine tables
 :mod:`mlxspec.cpu.fused_ops` builds once per position: one op where MLX's rotation is five
-(two slices, two products, a concatenation). ``exp`` and ``logsumexp`` (last axis) run MLX's
+(two slices, two products, a concatenation). ``rms_norm`` is MLX's RMSNorm fallback in one op
+where the compiled graph is three (square, sum, the rest). ``exp`` and ``logsumexp`` run MLX's
 own exp vectorized: its Linux build takes ~13 ns an element through a software fma, 0.65 ms a
 49,152-token row, paid by every log-softmax of decoding and every probability of sampled
 speculation (4 such rows: 2.68 -> 0.44 ms and 2.57 -> 0.27 ms). ``enable()`` also puts the
 dispatcher in ``mx.logsumexp``'s place (mlx-lm's decoding calls it every token); ``exp`` is
 reached through ``mlxspec.cpu.exp``. All outputs are bitwise MLX's
-(``tests/cpu/test_cpu_ops.py``, ``test_cpu_rope.py``, ``test_cpu_exp.py``; the attention, the
-rotation and the exponentials are checked again each time the module loads, else nothing is
-used). Measured in ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
+(``tests/cpu/test_cpu_ops.py``, ``test_cpu_rope.py``, ``test_cpu_norm.py``,
+``test_cpu_exp.py``; each is checked again each time the module loads, else nothing is used). Measured in ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
 
 ``enable()`` builds the module once per MLX/nanobind/Python version into
 ``$MLXSPEC_HOME/cpu_ops/`` (``g++`` against the headers MLX's wheel ships and nanobind's sources,
@@ -180,6 +180,17 @@ def exp(x: mx.array) -> mx.array:
     return mx.exp(x)
 
 
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """Lazily, ``mx.fast.rms_norm`` of float32 x (..., n) and weight (n,) as one op, bitwise MLX's
+    fallback; None when not enabled or for other dtypes (:mod:`mlxspec.cpu.fused_ops` then runs
+    its compiled graph)."""
+    module = _state.get("module")
+    if (module is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1
+            or weight.ndim != 1 or weight.shape[0] != x.shape[-1] or x.size == 0):
+        return None
+    return module.rms_norm(x, weight, float(eps))
+
+
 def rope_rotation(x: mx.array, cos: mx.array, sin: mx.array, dims: int,
                   traditional: bool) -> mx.array | None:
     """Lazily, RoPE's rotation of x (B, N, T, D) float32 by the tables cos, sin (T, dims / 2)
@@ -331,6 +342,11 @@ def _check(module: ModuleType) -> None:
                              (module.exp(rows), mx.exp(rows))):
             if not mx.array_equal(ours, theirs, equal_nan=True).item():
                 raise _Unavailable("its exp differs from MLX's own here")
+        h, w = mx.random.normal((3, 2, 576), key=keys[2]), mx.random.normal((576,), key=keys[1])
+        for rows in (h, h.transpose(1, 0, 2)):
+            expected = mx.fast.rms_norm(rows, w, 1e-5)
+            if not mx.array_equal(module.rms_norm(rows, w, 1e-5), expected).item():
+                raise _Unavailable("its RMSNorm differs from MLX's own here")
         x = mx.random.normal((2, 3, 5, 16), key=keys[0]).transpose(0, 2, 1, 3)  # (2, 5, 3, 16)
         for traditional in (False, True):
             cos, sin = (mx.random.normal((3, 6), key=key) for key in keys[1:])
