@@ -22,7 +22,8 @@ speculation (4 such rows: 2.68 -> 0.44 ms and 2.57 -> 0.27 ms). ``enable()`` als
 dispatcher in ``mx.logsumexp``'s place (mlx-lm's decoding calls it every token); ``exp`` is
 reached through ``mlxspec.cpu.exp``. All outputs are bitwise MLX's
 (``tests/cpu/test_cpu_ops.py``, ``test_cpu_rope.py``, ``test_cpu_norm.py``,
-``test_cpu_exp.py``; each is checked again each time the module loads, else nothing is used). Measured in ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
+``test_cpu_exp.py``; each is checked again each time the module loads, else nothing is used).
+Measured in ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
 
 ``enable()`` builds the module once per MLX/nanobind/Python version into
 ``$MLXSPEC_HOME/cpu_ops/`` (``g++`` against the headers MLX's wheel ships and nanobind's sources,
