@@ -198,14 +198,16 @@ class AWQ:
             hessians = {name: recorders[name].hessian.matrix() for name in targets}
             self.unscaled_blocks.append(prefix)
         quantized = {}
+        # an unscaled block gets exactly plain GPTQ (natural column order)
+        act_order = self.act_order and prefix not in self.unscaled_blocks
         for name, module in targets.items():
             spec, w = plan[f"{prefix}.{name}"], np.array(module.weight.astype(mx.float32))
             if self.rounding == "gptq":
                 q, scales, zeros, _ = gptq.quantize(w, hessians[name], spec.bits, spec.group_size,
                                                     damp=self.damp, grid=self.grid,
                                                     dtype=dtype_name(self.dtype),
-                                                    act_order=self.act_order,
-                                                    static_groups=self.act_order)
+                                                    act_order=act_order,
+                                                    static_groups=act_order)
             else:
                 q, scales, zeros = rtn.quantize(
                     w, spec.bits, spec.group_size, grid=self.grid,

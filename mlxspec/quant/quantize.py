@@ -61,6 +61,14 @@ CALIBRATED = ("gptq", "awq", "awq+gptq")  # the methods that run calibration tex
 # only the (tied) embedding quantized, 4-bit g64, KL on held-out text: SmolLM2 min-max 0.142,
 # clipped 0.124; Gemma-3 (262k rows, 62 % of its weights) 0.261 and 0.213.
 EMBEDDING_GRID = 10
+# awq+gptq's GPTQ settings, measured on Gemma-3-270M 4-bit g64 (KL prose / code / technical on
+# held-out text, bench/results/quantized_head_gemma3.jsonl): natural column order and a head
+# damped 0.01 0.554 / 0.564 / 0.496; act-order (static groups) in the blocks and the head
+# damped 0.1 0.485 / 0.549 / 0.469. Either change alone moved error from prose to code. On
+# SmolLM2 (bench/results/quantized_domains_smollm2.jsonl, prose / code / chat / technical) it
+# went from 0.221 / 0.191 / 0.183 / 0.138 to 0.196 / 0.169 / 0.185 / 0.126.
+AWQ_GPTQ_ACT_ORDER = True
+HEAD_DAMP = {"gptq": gptq.DEFAULT_DAMP, "awq+gptq": 0.1}
 
 
 # -- calibration text ----------------------------------------------------------------------------
@@ -187,7 +195,7 @@ def quantize_model(
     act_order: bool = False,
     group_fallback: bool = False,
     damp: float = gptq.DEFAULT_DAMP,
-    head_damp: float | None = gptq.DEFAULT_DAMP,
+    head_damp: float | str | None = "default",
     grid: int | None = None,
     dtype: str | mx.Dtype | None = None,
     progress: bool = False,
@@ -205,7 +213,7 @@ def quantize_model(
             supported group size that does, instead of an error.
         head_damp: the GPTQ damping of the output head (a tied embedding table included) for
             ``gptq`` and ``awq+gptq`` where it beats RTN (:func:`_quantize_head`); None leaves the head to
-            round-to-nearest. Measured (SmolLM2 4-bit g64, awq+gptq, KL per held-out domain,
+            round-to-nearest; ``"default"`` is the method's (:data:`HEAD_DAMP`). Measured (SmolLM2 4-bit g64, awq+gptq, KL per held-out domain,
             ``docs/quantization-quality.md``): round-to-nearest head 0.303 / 0.320 / 0.256 /
             0.299 (prose / code / chat / technical), GPTQ head at 0.01 0.215 / 0.192 / 0.185 /
             0.137.
@@ -230,6 +238,8 @@ def quantize_model(
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     zp_format.check_spec(bits, group_size, group_size)
+    if head_damp == "default":
+        head_damp = HEAD_DAMP.get(method)
     embedding_grid = EMBEDDING_GRID if grid is None else grid
     if grid is None:
         grid = awq.DEFAULT_GRID if method == "awq" else rtn.DEFAULT_GRID
@@ -255,7 +265,8 @@ def quantize_model(
             step = (gptq.GPTQ(act_order=act_order, damp=damp, grid=grid, dtype=dtype)
                     if method == "gptq" else
                     awq.AWQ(grid=grid, dtype=dtype, damp=damp,
-                            rounding="gptq" if method == "awq+gptq" else "rtn"))
+                            rounding="gptq" if method == "awq+gptq" else "rtn",
+                            act_order=method == "awq+gptq" and AWQ_GPTQ_ACT_ORDER))
             done, hidden = _calibrated_blocks(model, plan, calibration, step, advance)
             if with_head:
                 head = _quantize_head(model, plan, calibration, hidden, float_logits, head_damp,
@@ -279,7 +290,8 @@ def quantize_model(
         "dtype": zp_format.dtype_name(dtype),
         "bits": bits,
         "group_size": group_size,
-        "act_order": bool(act_order and method == "gptq"),
+        "act_order": bool(act_order and method == "gptq"),  # stored permuted (zp only)
+        "act_order_static_groups": method == "awq+gptq" and AWQ_GPTQ_ACT_ORDER,
         "recipe": (recipe or {}).get("name"),
         "layers": {
             path: None if spec is None else {"bits": spec.bits, "group_size": spec.group_size}

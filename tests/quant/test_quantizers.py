@@ -397,12 +397,13 @@ def test_awq_gptq_gives_plain_gptq_to_blocks_whose_scales_cannot_be_folded(tmp_p
 
     from mlxspec.load import load
     from mlxspec.quant import awq
-    from mlxspec.quant.quantize import quantize_model
+    from mlxspec.quant.quantize import HEAD_DAMP, quantize_model
 
     source = make_tiny_model(tmp_path / "tiny")
     tokens = [list(range(i, i + 48)) for i in range(0, 192, 48)]
     expected, _ = load(str(source))
-    quantize_model(expected, bits=4, group_size=32, method="gptq", calibration_tokens=tokens)
+    quantize_model(expected, bits=4, group_size=32, method="gptq", calibration_tokens=tokens,
+                   head_damp=HEAD_DAMP["awq+gptq"])  # the blocks as gptq's; awq+gptq's head
     monkeypatch.setattr(awq, "scale_columns", lambda linear, s: None)  # fold without compensating
     model, _ = load(str(source))
     _, record = quantize_model(model, bits=4, group_size=32, method="awq+gptq",
