@@ -23,7 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_sampler,
+)
 
 from mlxspec.cpu import argmax, exp
 from mlxspec.errors import InvalidArgumentError
@@ -102,6 +108,11 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_greedy_sampler(sampler: Callable[[mx.array], mx.array] | None) -> bool:
+    """Whether ``sampler`` takes the argmax: mlx-lm's greedy sampler or ``SamplingParams``'s."""
+    return sampler is argmax or sampler is greedy_sampler
 
 
 def normalized_logprobs(logits: mx.array) -> mx.array:

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxspec import cpu
+from mlxspec.sampling import is_greedy_sampler
 
 # Logits this close to a row's largest may round to the same log-probability (|logprob| <= log
 # of the vocabulary < 16, where float32's spacing is at most 2**-19): such rows are normalized.
@@ -129,7 +130,7 @@ class BatchRows(GenerationBatch):
         samplers = self.samplers or [None] * len(self.uids)
         return (
             GREEDY_SHORTCUT
-            and all((s or self.fallback_sampler) is greedy_sampler for s in samplers)
+            and all(is_greedy_sampler(s or self.fallback_sampler) for s in samplers)
             and not any(self.logits_processors)
             and not any(uid in self.logprob_uids for uid in self.uids)
         )
