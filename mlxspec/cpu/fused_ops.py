@@ -164,8 +164,11 @@ def _compiled_rotation(dims: int, traditional: bool) -> Callable:
 # a step instead of once a call (an arange, an exp, a cos and a sin: ~6 ops saved a call). Keyed
 # by the calling thread (MLX graphs are not shared between threads) and a Python int offset > 0
 # (a cached forward's position; an offset array differs per layer, and training calls at 0).
+# The lock: two threads evicting at once would both pick the oldest entry (KeyError) or iterate
+# while the other inserts (RuntimeError).
 _TABLES_KEPT = 8
 _tables_kept: dict[tuple, tuple[mx.array, mx.array, mx.array | None]] = {}
+_tables_lock = threading.Lock()
 
 
 def _shared_tables(offset: int, tokens: int, dims: int, traditional: bool,
@@ -173,14 +176,15 @@ def _shared_tables(offset: int, tokens: int, dims: int, traditional: bool,
                    dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     key = (threading.get_ident(), offset, tokens, dims, traditional, base, scale,
            None if freqs is None else id(freqs), dtype)
-    kept = _tables_kept.get(key)
-    if kept is not None and (freqs is None or kept[2] is freqs):
-        return kept[0], kept[1]
-    cos, sin = _tables(offset, tokens, dims, traditional, base, scale, freqs, dtype)
-    if len(_tables_kept) >= _TABLES_KEPT:
-        _tables_kept.pop(next(iter(_tables_kept)))
-    _tables_kept[key] = (cos, sin, freqs)  # freqs kept alive: its id stays its own
-    return cos, sin
+    with _tables_lock:
+        kept = _tables_kept.get(key)
+        if kept is not None and (freqs is None or kept[2] is freqs):
+            return kept[0], kept[1]
+        cos, sin = _tables(offset, tokens, dims, traditional, base, scale, freqs, dtype)
+        if len(_tables_kept) >= _TABLES_KEPT:
+            _tables_kept.pop(next(iter(_tables_kept)))
+        _tables_kept[key] = (cos, sin, freqs)  # freqs kept alive: its id stays its own
+        return cos, sin
 
 
 @functools.cache

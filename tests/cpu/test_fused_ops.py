@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import re
 import shutil
+import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -150,6 +152,37 @@ def test_calls_at_one_position_share_their_tables():
     assert op_count(*both) < 2 * one - 4
     for x, out in zip((q, k), both, strict=True):
         assert mx.array_equal(out, reference("rope")(x, 64, **kwargs)).item()
+
+
+def test_threads_sharing_the_tables_memo_never_collide(monkeypatch):
+    """Threads decoding at once (the serving engine's and another) evict from one memo: each
+    call returns its own position's tables and none fails (two evicting the same oldest entry
+    raised KeyError)."""
+    monkeypatch.setattr(fused_ops, "_tables", lambda offset, *_: (offset, offset))
+    monkeypatch.setattr(fused_ops, "_tables_kept", {})
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch between any two bytecodes, as under load
+    failures = []
+
+    def decode(seed: int) -> None:
+        try:
+            for i in range(20_000):
+                offset = 1 + (7 * i + seed) % 50
+                got = fused_ops._shared_tables(offset, 1, 64, False, 1e4, 1.0, None, mx.float32)
+                assert got == (offset, offset)
+        except Exception as e:  # reported below, from the main thread
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=decode, args=(seed,)) for seed in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[:3]
+    assert len(fused_ops._tables_kept) <= fused_ops._TABLES_KEPT
 
 
 def test_enable_swaps_mx_fast_and_disable_puts_mlx_own_back(monkeypatch):
