@@ -273,8 +273,9 @@ void attend(const Problem &p) {
 }
 
 /* What the single-output primitives here share: they run on the CPU stream only, allocate their
- * output and register their arrays with the stream's encoder (begin), and take their gradients
- * through an MLX composition computing the same function (vjp_of). */
+ * output and register their arrays with the stream's encoder (begin), and take their gradients,
+ * forward derivatives and vmap through an MLX composition computing the same function
+ * (composed): mx.logsumexp is replaced process-wide, so every transform MLX's own has must work. */
 class CpuPrimitive : public mx::UnaryPrimitive {
  public:
   using mx::UnaryPrimitive::UnaryPrimitive;
@@ -293,14 +294,32 @@ class CpuPrimitive : public mx::UnaryPrimitive {
   }
 
   using Composed = std::function<std::vector<mx::array>(const std::vector<mx::array> &)>;
-  static std::vector<mx::array> vjp_of(const Composed &composed,
-                                       const std::vector<mx::array> &primals,
-                                       const std::vector<mx::array> &cotangents,
-                                       const std::vector<int> &argnums) {
-    auto grads = mx::vjp(composed, primals, cotangents).second;
+  /* The same function from MLX ops. */
+  virtual Composed composed() const = 0;
+
+ public:
+  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
+                             const std::vector<mx::array> &cotangents,
+                             const std::vector<int> &argnums,
+                             const std::vector<mx::array> &) override {
+    auto grads = mx::vjp(composed(), primals, cotangents).second;
     std::vector<mx::array> result;
     for (int i : argnums) result.push_back(grads[i]);
     return result;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array> &primals,
+                             const std::vector<mx::array> &tangents,
+                             const std::vector<int> &argnums) override {
+    std::vector<mx::array> all;  // zero for the inputs not differentiated
+    for (const auto &primal : primals) all.push_back(mx::zeros_like(primal));
+    for (size_t i = 0; i < argnums.size(); ++i) all[argnums[i]] = tangents[i];
+    return mx::jvp(composed(), primals, all).second;
+  }
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array> &inputs,
+                                                          const std::vector<int> &axes) override {
+    return {mx::vmap(composed(), axes, {0})(inputs), {0}};  // axes: -1 where not mapped
   }
 };
 
@@ -322,10 +341,7 @@ class CpuAttention : public CpuPrimitive {
   }
 
   /* Gradients through MLX's own composition (q already scaled: scale 1 multiplies exactly). */
-  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
-                             const std::vector<mx::array> &cotangents,
-                             const std::vector<int> &argnums,
-                             const std::vector<mx::array> &) override {
+  Composed composed() const override {
     const int kind = mask_kind_;
     auto composed = [kind](const std::vector<mx::array> &in) {
       std::optional<mx::array> mask;
@@ -334,7 +350,7 @@ class CpuAttention : public CpuPrimitive {
       return std::vector<mx::array>{
           mx::fast::scaled_dot_product_attention(in[0], in[1], in[2], 1.0f, mode, mask)};
     };
-    return vjp_of(composed, primals, cotangents, argnums);
+    return composed;
   }
 
   const char *name() const override { return "MlxspecCpuAttention"; }
@@ -541,16 +557,13 @@ class CpuRope : public CpuPrimitive {
     encoder.dispatch([r = std::move(r)]() { rotate(r); });
   }
 
-  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
-                             const std::vector<mx::array> &cotangents,
-                             const std::vector<int> &argnums,
-                             const std::vector<mx::array> &) override {
+  Composed composed() const override {
     const int dims = dims_;
     const bool traditional = traditional_;
     auto composed = [dims, traditional](const std::vector<mx::array> &in) {
       return std::vector<mx::array>{rotation_ops(in[0], in[1], in[2], dims, traditional)};
     };
-    return vjp_of(composed, primals, cotangents, argnums);
+    return composed;
   }
 
   const char *name() const override { return "MlxspecCpuRope"; }
@@ -656,15 +669,12 @@ class CpuRows : public CpuPrimitive {
       encoder.dispatch([j = std::move(j)]() { exp_rows(j); });
   }
 
-  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
-                             const std::vector<mx::array> &cotangents,
-                             const std::vector<int> &argnums,
-                             const std::vector<mx::array> &) override {
+  Composed composed() const override {
     const bool reduce = reduce_;
     auto composed = [reduce](const std::vector<mx::array> &in) {
       return std::vector<mx::array>{reduce ? mx::logsumexp(in[0], -1, true) : mx::exp(in[0])};
     };
-    return vjp_of(composed, primals, cotangents, argnums);
+    return composed;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
@@ -743,15 +753,12 @@ class CpuRmsNorm : public CpuPrimitive {
     encoder.dispatch([j = std::move(j)]() { rms_norm_rows(j); });
   }
 
-  std::vector<mx::array> vjp(const std::vector<mx::array> &primals,
-                             const std::vector<mx::array> &cotangents,
-                             const std::vector<int> &argnums,
-                             const std::vector<mx::array> &) override {
+  Composed composed() const override {
     const float eps = eps_;
     auto composed = [eps](const std::vector<mx::array> &in) {
       return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps)};
     };
-    return vjp_of(composed, primals, cotangents, argnums);
+    return composed;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {

@@ -93,6 +93,22 @@ def test_gradients_are_mlx_own():
     assert mx.array_equal(ours, theirs).item()
 
 
+def test_vmap_and_forward_derivatives_are_mlx_own():
+    """mx.logsumexp is replaced process-wide: MLX's vmap and jvp through it must still work
+    (they raised 'not implemented'), whichever axis is mapped, with MLX's own numbers."""
+    x, t = logits((5, 300), seed=4), logits((5, 300), seed=5)
+    for axis in (0, 1):
+        ours = mx.vmap(lambda a: mx.logsumexp(a, axis=-1), in_axes=axis)(x)
+        theirs = mx.vmap(lambda a: mlx_logsumexp(a, axis=-1), in_axes=axis)(x)
+        assert ours.shape == theirs.shape and mx.array_equal(ours, theirs).item()
+        assert mx.array_equal(mx.vmap(cpu.exp, in_axes=axis)(x), mx.vmap(mx.exp, in_axes=axis)(x)).item()
+    ours = mx.jvp(lambda a: mx.logsumexp(a, axis=-1), [x], [t])[1][0]
+    theirs = mx.jvp(lambda a: mlx_logsumexp(a, axis=-1), [x], [t])[1][0]
+    assert mx.array_equal(ours, theirs).item()
+    ours = mx.jvp(cpu.exp, [x / 8], [t])[1][0]
+    assert mx.array_equal(ours, mx.jvp(mx.exp, [x / 8], [t])[1][0]).item()
+
+
 def test_disable_puts_mlx_own_back():
     original = cpu_ops._state["logsumexp"]
     cpu_ops.disable()
