@@ -2,7 +2,8 @@
  * One MLX primitive for scaled dot-product attention on the CPU back-end: the numbers of MLX's own
  * CPU path (the composed fallback of mx.fast.scaled_dot_product_attention), from one op instead
  * of a dozen; mlxspec.serving.rows.greedy_candidates as one op; and RoPE's rotation from its
- * tables as one op (see CpuRope). mlxspec/cpu/ops.py builds and loads them.
+ * tables (CpuRope), RMSNorm (CpuRmsNorm), exp and last-axis logsumexp (CpuRows) as one op each.
+ * mlxspec/cpu/ops.py builds and loads them.
  *
  * Where MLX has no attention kernel (every CPU build) it composes the attention from ops: q scaled,
  * one BLAS product per (row, query head) for q k^T, the mask, a softmax, one product per

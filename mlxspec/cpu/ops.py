@@ -165,10 +165,11 @@ def logsumexp(a: mx.array, axis: int | list[int] | None = None, keepdims: bool =
     last = axis in (-1, [-1], (-1,)) or (a.ndim and axis in (a.ndim - 1, [a.ndim - 1]))
     if (module is not None and stream is None and (last or (axis is None and row))
             and a.dtype == mx.float32 and a.size):
+        if axis is None:  # all of a, flattened: a shapeless mx.compile may replay this on more rows
+            out = module.logsumexp(a if a.ndim == 1 else mx.flatten(a))  # (1,)
+            return out.reshape((1,) * a.ndim if keepdims else ())
         out = module.logsumexp(a)
-        if keepdims:
-            return out
-        return out.reshape(()) if axis is None else out.squeeze(-1)
+        return out if keepdims else out.squeeze(-1)
     reference: Callable = _state.get("logsumexp", mx.logsumexp)
     return reference(a, axis=axis, keepdims=keepdims, stream=stream)
 

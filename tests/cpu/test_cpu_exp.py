@@ -109,6 +109,19 @@ def test_vmap_and_forward_derivatives_are_mlx_own():
     assert mx.array_equal(ours, mx.jvp(mx.exp, [x / 8], [t])[1][0]).item()
 
 
+def test_a_shapeless_compile_replayed_on_more_rows_sums_them_all():
+    """mx.logsumexp(a) over every axis, traced on one row (mlx-lm's decoding) by a shapeless
+    mx.compile, then replayed on two rows: MLX's own answer (the trace reshaped the row's result
+    to () and failed; with keepdims it gave one value a row)."""
+    x = logits((2, 300), seed=6)
+    for keepdims in (False, True):
+        compiled = mx.compile(lambda a, k=keepdims: mx.logsumexp(a, keepdims=k), shapeless=True)
+        assert mx.array_equal(compiled(x[:1]), mlx_logsumexp(x[:1], keepdims=keepdims)).item()
+        got, expected = compiled(x), mlx_logsumexp(x, keepdims=keepdims)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-6)
+
+
 def test_disable_puts_mlx_own_back():
     original = cpu_ops._state["logsumexp"]
     cpu_ops.disable()
