@@ -469,6 +469,20 @@ class GreedyCandidates : public mx::Primitive {
     throw std::runtime_error("[mlxspec cpu_ops] runs on the CPU stream only");
   }
 
+  /* mx.vmap (mlxspec.cpu.argmax is a sampler, which MLX's argmax lets one map): the mapped axis
+   * moved first and merged with the rows, the outputs split again. */
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array> &inputs,
+                                                          const std::vector<int> &axes) override {
+    mx::array x = mx::moveaxis(inputs[0], axes[0], 0);  // (mapped, rows, vocabulary)
+    const int mapped = x.shape(0), rows = x.shape(1);
+    x = mx::reshape(x, {mapped * rows, x.shape(2)});
+    mx::Shape flat = {mapped * rows};
+    auto outs = mx::array::make_arrays({flat, flat}, {mx::uint32, mx::int32},
+                                       std::make_shared<GreedyCandidates>(stream(), tie_), {x});
+    for (auto &out : outs) out = mx::reshape(out, {mapped, rows});
+    return {outs, {0, 0}};
+  }
+
   const char *name() const override { return "MlxspecGreedyCandidates"; }
 
   bool is_equivalent(const mx::Primitive &other) const override {
