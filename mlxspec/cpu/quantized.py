@@ -87,7 +87,7 @@ def _switches(switch: str | bytes | None, activations: str | bytes | None) -> tu
 # os.environ.get encodes its key and decodes the value at every call (~1.5 us, 0.7 ms of the ~4.4
 # ms of Python a decode token spends building its graph); the mapping behind it, which setting and
 # deleting variables through os.environ keep current, answers for pre-encoded keys at once.
-_ENVIRON = getattr(os.environ, "_data", None)
+_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None  # bytes keys
 _KEYS = (os.fsencode(SWITCH), os.fsencode(ACTIVATIONS))
 
 
