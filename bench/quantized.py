@@ -260,6 +260,15 @@ def calibration_set_file(name: str, which: str, out_root: str,
     return str(path)
 
 
+def emit(row: dict, rows: list[dict], rows_file: str | None) -> None:
+    """Print ``row`` (stderr), append it to ``rows_file`` as it finishes and to ``rows``."""
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    if rows_file:
+        with open(rows_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    rows.append(row)
+
+
 def head_study(name: str, windows: int, out_root: str, variants: list[str],
                calibration: tuple[int, int] = (16, 256), rows_file: str | None = None,
                block_act_order: bool = False) -> list[dict]:
@@ -320,11 +329,7 @@ def head_study(name: str, windows: int, out_root: str, variants: list[str],
                "domains": {d: {k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement")}
                            for d, r in result["domains"].items()},
                "cpu": cpu.cpu_model(), "load_average_1min": round(os.getloadavg()[0], 2)}
-        print(json.dumps(row), file=sys.stderr, flush=True)
-        if rows_file:
-            with open(rows_file, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        rows.append(row)
+        emit(row, rows, rows_file)
     return rows
 
 
@@ -465,11 +470,7 @@ def anchors(name: str, windows: int, out_root: str, cases=ANCHOR_CASES, tools=("
                "worst_domain": result["worst"]["domain"],
                # seconds depend on the host and its load (KL does not)
                "cpu": cpu.cpu_model(), "load_average_1min": round(os.getloadavg()[0], 2)}
-        print(json.dumps(row), file=sys.stderr, flush=True)
-        if rows_file:
-            with open(rows_file, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        rows.append(row)
+        emit(row, rows, rows_file)
         del model
         gc.collect()
     return rows

@@ -7,27 +7,14 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxspec.cpu import fused_ops
-from mlxspec.cpu import ops as cpu_ops
 
-
-@pytest.fixture(autouse=True)
-def in_place():
-    if shutil.which("g++") is None:
-        pytest.skip("no g++: the primitives cannot be built here, MLX's own ops run instead")
-    was = cpu_ops.enabled(), fused_ops.enabled()
-    assert cpu_ops.enable() and fused_ops.enable()
-    yield
-    if not was[0]:
-        cpu_ops.disable()
-    if not was[1]:
-        fused_ops.disable()
+pytestmark = pytest.mark.usefixtures("primitives_in_place")
 
 
 def op_names(out: mx.array) -> list[str]:
