@@ -132,32 +132,8 @@ def _tables(offset: int, tokens: int, dims: int, traditional: bool, base: float 
 
 @functools.cache
 def _compiled_rotation(dims: int, traditional: bool) -> Callable:
-    """MLX's fallback RoPE from its tables on: the same ops on the same operands."""
-    half = dims // 2
-
-    def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        shape = x.shape
-        if x.ndim == 3:
-            x = mx.expand_dims(x, 1)
-        elif x.ndim > 4:
-            x = mx.flatten(x, 1, x.ndim - 3)
-        b, n, t, d = x.shape
-        if traditional:
-            first, second = x[..., 0:dims:2], x[..., 1:dims:2]
-        else:
-            first, second = x[..., :half], x[..., half:dims]
-        rotated = [first * cos - second * sin, first * sin + second * cos]
-        if traditional:
-            out = mx.concatenate([mx.expand_dims(r, -1) for r in rotated], -1)
-            out = out.reshape(b, n, t, dims)
-            if dims < d:
-                out = mx.concatenate([out, x[..., dims:]], -1)
-            return out.reshape(shape)
-        if dims < d:
-            rotated.append(x[..., dims:])
-        return mx.concatenate(rotated, -1).reshape(shape)
-
-    return mx.compile(rotate)
+    """MLX's fallback RoPE from its tables on (:func:`mlxspec.cpu.ops.rotation`), compiled."""
+    return mx.compile(lambda x, cos, sin: ops.rotation(x, cos, sin, dims, traditional))
 
 
 # A decode step's 2 x layers RoPE calls share one position, so they share the tables: built once

@@ -353,21 +353,31 @@ def _check(module: ModuleType) -> None:
         for traditional in (False, True):
             cos, sin = (mx.random.normal((3, 6), key=key) for key in keys[1:])
             got = module.rope(x, cos, sin, 12, traditional)
-            if not mx.array_equal(got, _rotation_reference(x, cos, sin, 12, traditional)).item():
+            if not mx.array_equal(got, rotation(x, cos, sin, 12, traditional)).item():
                 raise _Unavailable("its RoPE differs from MLX's ops here")
     except (TypeError, RuntimeError, ValueError) as e:  # e.g. another nanobind ABI than MLX's
         raise _Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
 
 
-def _rotation_reference(x: mx.array, cos: mx.array, sin: mx.array, dims: int,
-                        traditional: bool) -> mx.array:
-    """MLX's fallback RoPE from its tables on, op by op (the primitive's check)."""
+
+def rotation(x: mx.array, cos: mx.array, sin: mx.array, dims: int,
+             traditional: bool) -> mx.array:
+    """MLX's fallback RoPE from its tables on, op by op: x (B, *, T, D) of any dtype and rank >= 3,
+    cos and sin (T, dims / 2) in x's dtype. The primitive's check here, and
+    :mod:`mlxspec.cpu.fused_ops`' compiled rotation where the primitive does not apply."""
+    shape = x.shape
+    if x.ndim == 3:
+        x = mx.expand_dims(x, 1)
+    elif x.ndim > 4:
+        x = mx.flatten(x, 1, x.ndim - 3)
+    b, n, t, d = x.shape
     half = dims // 2
     first, second = ((x[..., 0:dims:2], x[..., 1:dims:2]) if traditional
                      else (x[..., :half], x[..., half:dims]))
     rotated = [first * cos - second * sin, first * sin + second * cos]
     if traditional:
-        out = mx.stack(rotated, axis=-1).reshape(*x.shape[:3], dims)
-        return mx.concatenate([out, x[..., dims:]], axis=-1)
-    return mx.concatenate([*rotated, x[..., dims:]], axis=-1)
-
+        out = mx.concatenate([mx.expand_dims(r, -1) for r in rotated], -1).reshape(b, n, t, dims)
+        rotated = [out]
+    if dims < d:
+        rotated.append(x[..., dims:])
+    return mx.concatenate(rotated, -1).reshape(shape)
