@@ -629,11 +629,15 @@ int64_t row_offset(const mx::Shape &shape, const mx::Strides &strides, int64_t r
   return at;
 }
 
+/* How many rows (the last axis being the row) an array of this shape has. */
+int64_t row_count(const mx::Shape &shape) {
+  return std::accumulate(shape.begin(), shape.end() - 1, (int64_t)1, std::multiplies<int64_t>());
+}
+
 void exp_rows(const RowsJob &j) {
   namespace simd = mx::simd;
   const int n = j.shape.back();
-  const int64_t rows = n ? std::accumulate(j.shape.begin(), j.shape.end() - 1, (int64_t)1,
-                                           std::multiplies<int64_t>()) : 0;
+  const int64_t rows = n ? row_count(j.shape) : 0;
   const int64_t step = j.strides.back();
   for (int64_t r = 0; r < rows; ++r) {
     const float *x = j.x + row_offset(j.shape, j.strides, r);
@@ -649,8 +653,7 @@ void logsumexp_rows(const RowsJob &j) {
   namespace simd = mx::simd;
   static_assert(simd::max_size<float> == 1, "MLX's logsumexp order is written here for 1 lane");
   const int n = j.shape.back();
-  const int64_t rows = std::accumulate(j.shape.begin(), j.shape.end() - 1, (int64_t)1,
-                                       std::multiplies<int64_t>());
+  const int64_t rows = row_count(j.shape);
   const int64_t step = j.strides.back();
   std::vector<float> e(n);
   for (int64_t r = 0; r < rows; ++r) {
@@ -740,8 +743,7 @@ struct NormJob {
 
 void rms_norm_rows(const NormJob &j) {
   const int n = j.shape.back();
-  const int64_t rows = std::accumulate(j.shape.begin(), j.shape.end() - 1, (int64_t)1,
-                                       std::multiplies<int64_t>());
+  const int64_t rows = row_count(j.shape);
   const int64_t step = j.strides.back();
   for (int64_t r = 0; r < rows; ++r) {
     const float *x = j.x + row_offset(j.shape, j.strides, r);
