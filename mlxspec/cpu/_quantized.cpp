@@ -156,46 +156,51 @@ inline void unpack(const uint8_t *p, V &a, V &b) {
   }
 }
 
-/* Row n's scales (or biases) as float32 into dst (groups): exact conversions. */
-void row_floats(const void *src, int type, size_t n, int groups, float *dst) {
-  const size_t at = n * groups;
-  int g = 0;
+/* count scales (or biases) from element `at` on as float32 into dst: exact conversions. */
+void to_floats(const void *src, int type, size_t at, int count, float *dst) {
+  int i = 0;
   if (type == F32) {
-    std::memcpy(dst, static_cast<const float *>(src) + at, groups * sizeof(float));
+    std::memcpy(dst, static_cast<const float *>(src) + at, count * sizeof(float));
     return;
   }
   const uint16_t *h = static_cast<const uint16_t *>(src) + at;
   if (type == F16)
-    for (; g + 8 <= groups; g += 8)
-      _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + g))));
-  for (; g < groups; ++g) dst[g] = scalar_at(h, g, type);
+    for (; i + 8 <= count; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i))));
+  for (; i < count; ++i) dst[i] = scalar_at(h, i, type);
+}
+
+/* Row n's scales (or biases) as float32 into dst (groups). */
+inline void row_floats(const void *src, int type, size_t n, int groups, float *dst) {
+  to_floats(src, type, n * groups, groups, dst);
 }
 
 /* Outputs (m0 .. m0 + R - 1, n0 .. n0 + C - 1). Each weight vector is dequantized in registers,
  * w = fma(q, s, b), and multiplied into its output's one accumulator: acc = fma(w, x, acc), the
  * chunks in order, the two vectors of a chunk in order; the lanes summed by vsum at the end.
- * The same operations for every output in every instance (see the header). sb holds the C rows'
- * scales then biases, (C, 2, groups) float32. */
+ * The same operations for every output in every instance (see the header). sb holds each of the
+ * C rows' (scale, bias) pairs, (C, groups, 2) float32. The loop walks one pointer each for W, x
+ * and sb with the rows at fixed distances: with an index per row and group, GCC ran out of
+ * general registers and reloaded them from vector registers at every group (g = 32: one chunk). */
 template <int BITS, int R, int C>
 void tile(const Job &j, int m0, int n0, const float *sb) {
   V acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
-  const uint8_t *w[C];
-  for (int c = 0; c < C; ++c) w[c] = j.w + (size_t)(n0 + c) * j.row_bytes;
-  const float *x[R];
-  for (int r = 0; r < R; ++r) x[r] = j.xp + (size_t)(m0 + r) * j.K;
+  const size_t row_bytes = j.row_bytes, pairs = 2 * (size_t)j.groups, K = j.K;
+  const uint8_t *w = j.w + (size_t)n0 * row_bytes;
+  const float *x = j.xp + (size_t)m0 * K;
   const int chunks = j.group / CHUNK;
-  for (int g = 0; g < j.groups; ++g) {
-    for (int k = 0; k < chunks; ++k) {
-      const int e = (g * chunks + k) * CHUNK;
+  for (int g = 0; g < j.groups; ++g, sb += 2) {
+    V s[C], b[C];
+    for (int c = 0; c < C; ++c) s[c] = vset1(sb[c * pairs]), b[c] = vset1(sb[c * pairs + 1]);
+    for (int k = 0; k < chunks; ++k, x += CHUNK, w += CHUNK * BITS / 8) {
       V xa[R], xb[R];
-      for (int r = 0; r < R; ++r) xa[r] = vload(x[r] + e), xb[r] = vload(x[r] + e + LANES);
+      for (int r = 0; r < R; ++r) xa[r] = vload(x + r * K), xb[r] = vload(x + r * K + LANES);
       for (int c = 0; c < C; ++c) {
-        const V s = vset1(sb[(2 * c) * j.groups + g]), b = vset1(sb[(2 * c + 1) * j.groups + g]);
         V qa, qb;
-        unpack<BITS>(w[c] + e * BITS / 8, qa, qb);
-        const V wa = vfma(qa, s, b), wb = vfma(qb, s, b);
+        unpack<BITS>(w + c * row_bytes, qa, qb);
+        const V wa = vfma(qa, s[c], b[c]), wb = vfma(qb, s[c], b[c]);
         for (int r = 0; r < R; ++r) {
           acc[r][c] = vfma(wa, xa[r], acc[r][c]);
           acc[r][c] = vfma(wb, xb[r], acc[r][c]);
@@ -224,15 +229,33 @@ inline void prefetch_rows(const Job &j, int n, int rows) {
     _mm_prefetch(static_cast<const char *>(j.biases) + n * bbytes + at, _MM_HINT_T0);
 }
 
+/* s[0 .. n) and b[0 .. n) -> dst (n, 2): the pairs (s[i], b[i]). */
+inline void interleave(const float *s, const float *b, int n, float *dst) {
+  int i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(s + i), c = _mm256_loadu_ps(b + i);
+    const __m256 lo = _mm256_unpacklo_ps(a, c), hi = _mm256_unpackhi_ps(a, c);
+    _mm256_storeu_ps(dst + 2 * i, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(dst + 2 * i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+#endif
+  for (; i < n; ++i) dst[2 * i] = s[i], dst[2 * i + 1] = b[i];
+}
+
 /* One block of C output rows over every row of x: their scales and biases as floats into sb,
- * then Tile::run<BITS, R, C> on MR rows of x at a time and the 1-3 left over (R < MR only). */
+ * then Tile::run<BITS, R, C> on MR rows of x at a time and the 1-3 left over (R < MR only). The
+ * C rows' scales (and biases) are one run in memory: converted in one pass, then laid out as the
+ * tile reads them, Tile::PAIRS: (C, groups, 2) (scale, bias) pairs, else the scales (C, groups)
+ * then the biases (C, groups). sb holds 4 * C * groups floats. */
 template <class Tile, int MR_, int BITS, int C>
 void row_block_with(const Job &j, int n0, float *sb) {
   prefetch_rows(j, n0 + PREFETCH_ROWS, C);
-  for (int c = 0; c < C; ++c) {
-    row_floats(j.scales, j.scale_type, n0 + c, j.groups, sb + (2 * c) * j.groups);
-    row_floats(j.biases, j.bias_type, n0 + c, j.groups, sb + (2 * c + 1) * j.groups);
-  }
+  const int count = C * j.groups;
+  float *scales = Tile::PAIRS ? sb + 2 * count : sb;
+  to_floats(j.scales, j.scale_type, (size_t)n0 * j.groups, count, scales);
+  to_floats(j.biases, j.bias_type, (size_t)n0 * j.groups, count, scales + count);
+  if constexpr (Tile::PAIRS) interleave(scales, scales + count, count, sb);
   int m = 0;
   for (; m + MR_ <= j.M; m += MR_) Tile::template run<BITS, MR_, C>(j, m, n0, sb);
   switch (j.M - m) {
@@ -244,6 +267,7 @@ void row_block_with(const Job &j, int n0, float *sb) {
 }
 
 struct FloatTile {
+  static constexpr bool PAIRS = true;
   template <int BITS, int R, int C>
   static void run(const Job &j, int m0, int n0, const float *sb) { tile<BITS, R, C>(j, m0, n0, sb); }
 };
@@ -262,7 +286,7 @@ float *scratch(size_t n, int slot) {
 
 template <int BITS>
 void rows(const Job &j, int n0, int n1) {
-  float *sb = scratch((size_t)2 * NR * j.groups, 0);
+  float *sb = scratch((size_t)4 * NR * j.groups, 0);
   int n = n0;
   for (; n + NR <= n1; n += NR) row_block<BITS, NR>(j, n, sb);
   for (; n < n1; ++n) row_block<BITS, 1>(j, n, sb);
@@ -356,7 +380,7 @@ __attribute__((always_inline)) inline void block_q8(const Job &j, int m0, int n0
     const uint8_t *wp = j.w + (size_t)(n0 + c) * j.row_bytes + at;
     const __m512i v = LAST ? _mm512_maskz_loadu_epi8(wmask, wp) : _mm512_loadu_si512(wp);
     const __m512 s = _mm512_permutexvar_ps(
-        idx, _mm512_maskz_loadu_ps(gmask, sb + (size_t)(2 * c) * j.groups + g0));
+        idx, _mm512_maskz_loadu_ps(gmask, sb + (size_t)c * j.groups + g0));
     for (int r = 0; r < R; ++r) {
       const int8_t *xr = j.xq + (size_t)(m0 + r) * per_row + (size_t)b * (BITS == 4 ? 128 : 64);
       __m512i d;
@@ -392,7 +416,7 @@ void tile_q8(const Job &j, int m0, int n0, const float *sb) {
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      const float *xs = j.xs + (size_t)(m0 + r) * j.groups, *bias = sb + (size_t)(2 * c + 1) * j.groups;
+      const float *xs = j.xs + (size_t)(m0 + r) * j.groups, *bias = sb + (size_t)(C + c) * j.groups;
       __m512 t = acc[r][c];  // the b . xs terms join the lanes before the one horizontal sum
       for (int g = 0; g < j.groups; g += 16) {
         const __mmask16 m = (__mmask16)((1u << std::min(16, j.groups - g)) - 1);
@@ -405,6 +429,7 @@ void tile_q8(const Job &j, int m0, int n0, const float *sb) {
 constexpr int NR8 = 4, MR8 = 4;
 
 struct Int8Tile {
+  static constexpr bool PAIRS = false;
   template <int BITS, int R, int C>
   static void run(const Job &j, int m0, int n0, const float *sb) { tile_q8<BITS, R, C>(j, m0, n0, sb); }
 };
@@ -415,7 +440,7 @@ void row_block_q8(const Job &j, int n0, float *sb) { row_block_with<Int8Tile, MR
 void task_q8(void *context, int i) {
   const Job &j = *static_cast<const Job *>(context);
   const int n0 = i * j.rows_per_task, n1 = std::min(j.N, n0 + j.rows_per_task);
-  float *sb = scratch((size_t)2 * NR8 * j.groups, 0);
+  float *sb = scratch((size_t)4 * NR8 * j.groups, 0);
   int n = n0;
   if (j.bits == 4) {
     for (; n + NR8 <= n1; n += NR8) row_block_q8<4, NR8>(j, n, sb);
