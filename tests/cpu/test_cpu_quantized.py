@@ -176,6 +176,30 @@ def test_install_gives_mlx_quantized_layers_the_kernel_and_leaves_mx_alone():
     assert mx.array_equal(plain(x), want).item()  # MLX's own product: nothing patched globally
 
 
+def test_install_gives_mlx_tensor_parallel_quantized_layers_the_kernel():
+    """``--shard tensor`` turns a model's quantized layers into MLX's sharded ones, whose own call
+    is ``mx.quantized_matmul`` (MLX's slow CPU path): they get the kernel too (a group of one
+    process here; tests/distributed runs two)."""
+    rng = np.random.default_rng(4)
+    group = mx.distributed.init()
+    layers = [nn.QuantizedLinear(128, 128, bias=True, group_size=32, bits=4) for _ in range(2)]
+    for layer in layers:  # a bias of zeros (the default) would hide a bias left out
+        layer.bias = mx.array(rng.uniform(-1, 1, 128).astype(np.float32))
+    model = nn.Sequential(
+        nn.QuantizedAllToShardedLinear.from_quantized_linear(layers[0], group=group),
+        nn.QuantizedShardedToAllLinear.from_quantized_linear(layers[1], group=group))
+    x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
+    before = [layer(x) for layer in model.layers]
+    assert quantized.install(model) == 2
+    assert [type(layer) for layer in model.layers] == [quantized.QuantizedAllToShardedLinear,
+                                                       quantized.QuantizedShardedToAllLinear]
+    for layer, want in zip(model.layers, before, strict=True):
+        weight, scales, biases = (np.array(layer[k]) for k in ("weight", "scales", "biases"))
+        got = layer(x)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+        assert_close_to_float64(got - layer["bias"], np.array(x), (weight, scales, biases), 32, 4)
+
+
 # -- the default model, as mlxspec.load() runs it ------------------------------------------------
 
 
