@@ -9,6 +9,9 @@ function: the answer copies most of the prompt, where prompt lookup drafts well)
                   shipped for the model, ``--draft auto``)
     tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same three
     pipeline-2    the same with ``--shard pipeline``
+    ... (ranks started directly)   tensor-2 and pipeline-2 again, the two ranks started as
+                  ``mlx.launch`` starts them (a hostfile and MLX_RANK) but without it: its
+                  output threads spin (see ``run``), taking a 2-core machine's cores from the ranks
 
 Then the continuous-batching engine that ``serve`` and ``batch`` use, whose every step rank 0
 first sends to the other rank (``mlxspec.distributed.engine``): ``mlxspec batch`` on the same
@@ -69,6 +72,7 @@ def summarize(data):
 """
 HIDDEN, LAYERS = 576, 30  # SmolLM2-135M
 IDLE_SECONDS = 10.0
+DIRECT = " (ranks started directly)"  # rows without mlx.launch (see run())
 # one-way latency (s) and bandwidth (bytes/s) per link: typical values, assumed
 LINKS = {"1 GbE": (50e-6, 117e6), "10 GbE": (15e-6, 1.17e9), "Thunderbolt bridge": (8e-6, 2.5e9)}
 ROUND_PROBE = """
@@ -84,15 +88,43 @@ if g.rank() == 0: print(times[len(times) // 10], times[len(times) // 2])
 """.replace("HIDDEN", str(HIDDEN))
 
 
-def run(args: list[str], shard: str | None, timeout: float = 600) -> dict:
-    """``mlxspec generate`` as one process, or on two ring ranks; rank 0's JSON."""
-    command = [MLXSPEC, *args] if shard is None else [
-        LAUNCH, "--backend", "ring", "-n", "2", "--", MLXSPEC, *args, "--shard", shard]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    start = done.stdout.find("{")
+def run(args: list[str], shard: str | None, timeout: float = 600, direct: bool = False) -> dict:
+    """``mlxspec generate`` as one process, or on two ring ranks; rank 0's JSON. ``direct``: the
+    two ranks started as ``mlx.launch`` starts them (a hostfile, MLX_RANK), without it: its
+    output-forwarding threads poll an always-writable stdin pipe in a loop that never blocks (mlx
+    0.31), about a core each, which a 2-core machine's ranks then lose."""
+    if shard is None or not direct:
+        command = [MLXSPEC, *args] if shard is None else [
+            LAUNCH, "--backend", "ring", "-n", "2", "--", MLXSPEC, *args, "--shard", shard]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        out, err = done.stdout, done.stderr
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            hostfile = Path(tmp) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+            pipe = [subprocess.PIPE, subprocess.DEVNULL]  # rank 0 prints, rank 1 follows
+            ranks = [subprocess.Popen(
+                [MLXSPEC, *args, "--shard", shard], stdout=pipe[rank], stderr=pipe[rank],
+                text=True, env={**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)})
+                for rank in range(2)]
+            out, err = ranks[0].communicate(timeout=timeout)
+            ranks[1].wait(timeout=timeout)
+    start = out.find("{")
     if start < 0:  # mlx.launch exits 0 even when a rank failed: the output says whether it ran
-        raise SystemExit(f"error: {shard or 'one process'} run failed: {done.stderr[-500:]}")
-    return json.loads(done.stdout[start:])
+        raise SystemExit(f"error: {shard or 'one process'} run failed: {err[-500:]}")
+    return json.loads(out[start:])
+
+
+def free_ports(n: int) -> list[int]:
+    """n loopback ports free right now."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def rounds_per_pass(result: dict) -> int:
@@ -186,11 +218,7 @@ def idle_cpu(tick: str) -> dict:
     """CPU seconds each rank of ``serve --shard pipeline`` uses in IDLE_SECONDS with no request
     (``MLXSPEC_SHARD_IDLE_TICK=tick``). The two ranks are started as ``mlx.launch`` starts them
     (a hostfile and MLX_RANK), to read each one's CPU time."""
-    ports = []
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports(3)
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = Path(tmp) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:2]]))
@@ -244,11 +272,14 @@ def main() -> None:
     drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"],
                 "feature draft": ["--draft", "auto"]}
     rows, texts = [], {}
-    for shard in (None, "tensor", "pipeline"):
+    runs = [(None, False), ("tensor", False), ("pipeline", False), ("tensor", True),
+            ("pipeline", True)]
+    for shard, direct in runs:
         for kind, extra in drafting.items():
             name = f"{shard or 'one process'}-2 {kind}".replace("one process-2", "one process")
+            name += DIRECT if direct else ""
             tic = time.perf_counter()
-            result = run([*base, *extra], shard)
+            result = run([*base, *extra], shard, direct=direct)
             r = row(name, result)
             r["wall_seconds"] = round(time.perf_counter() - tic, 1)
             texts[name] = result["text"]
@@ -264,9 +295,11 @@ def main() -> None:
     print(json.dumps(idle), flush=True)
     loopback, loopback_median = round_seconds()
     by_name = {r["config"]: r for r in rows}
-    ratios = {f"{shard}-2 {kind}": round(by_name[f"{shard}-2 {kind}"]["tokens_per_second"]
-                                         / by_name[f"{shard}-2 plain"]["tokens_per_second"], 2)
-              for shard in ("tensor", "pipeline") for kind in ("prompt lookup", "feature draft")}
+    ratios = {f"{shard}-2 {kind}{how}": round(
+        by_name[f"{shard}-2 {kind}{how}"]["tokens_per_second"]
+        / by_name[f"{shard}-2 plain{how}"]["tokens_per_second"], 2)
+        for how in ("", DIRECT) for shard in ("tensor", "pipeline")
+        for kind in ("prompt lookup", "feature draft")}
     report = {
         "what": __doc__.split("\n\n")[0],
         "load_average_at_start": load_at_start,
