@@ -329,7 +329,7 @@ def main() -> None:
     import mlxspec  # noqa: F401  (the BLAS set-up)
     from mlxspec import cpu
     from mlxspec.benchmark import DEFAULT_PROMPT, read_bandwidth
-    from mlxspec.chat import chat_prompt
+    from mlxspec.chat_template import chat_prompt
     from mlxspec.load import default_model_path, read_tokenizer, resolve_model_path
 
     model_dir = resolve_model_path(None)

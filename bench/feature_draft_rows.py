@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxspec.cache import make_cache, trim_cache
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.speculative.combined import CombinedDrafter
 from mlxspec.speculative.drafters import PromptLookupDrafter
 from mlxspec.speculative.heads import make_feature_drafter

@@ -44,7 +44,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlxspec.cpu import blas_report
 from mlxspec.speculative import first_layers_copy, quantized_copy
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.generate import stream_generate
 from mlxspec.generation_checks import context_length
 from mlxspec.sampling import SamplingParams

@@ -48,7 +48,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
       mlxspec generate -p "A person as JSON" --json-schema person.schema.json
     """
     from mlxspec.benchmark import model_bytes
-    from mlxspec.chat import chat_prompt
+    from mlxspec.chat_template import chat_prompt
     from mlxspec.distributed import agreed_decoding, group_report, load_sharded
     from mlxspec.generate import stream_generate
     from mlxspec.grammar import read_json_schema, schema_processor

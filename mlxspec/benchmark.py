@@ -131,7 +131,7 @@ def compare_decode(
         per engine ``prompt_tps``, ``generation_tps``, ``bandwidth_gbs``, ``roofline``, and
         ``decode_ratio`` / ``prefill_ratio`` (mlxspec ÷ mlx-lm).
     """
-    from mlxspec.chat import chat_prompt
+    from mlxspec.chat_template import chat_prompt
     from mlxspec.cpu import blas_report
     from mlxspec.distributed import group_report, load_sharded
     from mlxspec.quant import kernels

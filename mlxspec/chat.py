@@ -16,37 +16,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import common_prefix_len
 
 from mlxspec.cache import cache_offset, make_cache, trim_cache
+from mlxspec.chat_template import chat_prompt
 from mlxspec.errors import MlxspecError, UnsupportedModelError
 from mlxspec.generate import Response, stream_generate
 from mlxspec.speculative import Drafter, make_drafter
-
-
-def chat_prompt(
-    tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template.
-
-    The one place mlxspec applies a chat template (chat sessions, ``mlxspec generate``, benches).
-
-    Args:
-        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
-        add_generation_prompt: end with the header of the assistant's turn.
-        tools: OpenAI ``tools`` entries for a template that takes them (``mlxspec serve``).
-
-    Raises:
-        UnsupportedModelError: the tokenizer has no chat template.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise UnsupportedModelError(
-            "this model has no chat template: feed the prompt as raw text (--no-chat-template)"
-        )
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            **({"tools": tools} if tools else {}),
-        )
-    )
 
 
 class ChatSession:

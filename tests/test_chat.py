@@ -76,7 +76,7 @@ def test_rotating_cache_chat_matches_fresh_prefill_with_the_same_window(smollm2)
 
 
 def test_chat_prompt_renders_the_template_once_for_everyone(smollm2):
-    from mlxspec.chat import chat_prompt
+    from mlxspec.chat_template import chat_prompt
 
     _, tokenizer = smollm2
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.errors import InvalidArgumentError
 from mlxspec.progress import progress_bar
 

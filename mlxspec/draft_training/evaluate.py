@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.draft_training.train import _batch
 from mlxspec.speculative.eagle3 import Eagle3Head
 from mlxspec.speculative.stats import SpecStats

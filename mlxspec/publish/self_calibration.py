@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.progress import progress_bar
 from mlxspec.quant.calibration_set import ANSWER_TOKENS, SAMPLING, SEED
 from mlxspec.serving.batch import batch_generate

@@ -38,6 +38,7 @@ from importlib import resources
 from itertools import zip_longest
 from typing import Any
 
+from mlxspec.chat_template import chat_prompt
 from mlxspec.errors import QuantizationError
 
 # domain -> the texts of mlxspec/data it is cut from (the chat domain is generated)
@@ -82,8 +83,6 @@ def spread_windows(ids: list[int], count: int, window_tokens: int) -> list[list[
 
 def conversation_tokens(tokenizer, conversations: list[list[dict[str, str]]]) -> list[int]:
     """The conversations rendered with the tokenizer's chat template, one after another."""
-    from mlxspec.chat import chat_prompt
-
     ids: list[int] = []
     for messages in conversations:
         ids.extend(chat_prompt(tokenizer, messages, add_generation_prompt=False))

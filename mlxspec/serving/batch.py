@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.benchmark import model_bytes
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.generate import encode_prompt
 from mlxspec.serving.engine import Engine, Request
 from mlxspec.speculative import make_draft

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.generate import encode_prompt
 from mlxspec.grammar import json_schema_grammar
 from mlxspec.serving.batch import choose_batch_size, iter_batch, shared_prefix

@@ -20,7 +20,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.errors import InvalidArgumentError
 from mlxspec.generate import encode_prompt
 from mlxspec.sampling import check_seed

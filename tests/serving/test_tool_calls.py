@@ -17,7 +17,7 @@ from tiny_models import make_tiny_model
 openai = pytest.importorskip("openai", reason="the openai client is in the dev extra")
 jsonschema = pytest.importorskip("jsonschema")
 
-from mlxspec.chat import chat_prompt  # noqa: E402
+from mlxspec.chat_template import chat_prompt  # noqa: E402
 from mlxspec.generate import stream_generate  # noqa: E402
 from mlxspec.grammar import schema_processor  # noqa: E402
 from mlxspec.load import load  # noqa: E402

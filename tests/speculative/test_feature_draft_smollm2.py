@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from speculative_helpers import plain_tokens, second_request_while_speculating, spec_tokens
 
-from mlxspec.chat import chat_prompt
+from mlxspec.chat_template import chat_prompt
 from mlxspec.speculative import SpecStats
 from mlxspec.speculative.heads import (
     make_feature_drafter,
