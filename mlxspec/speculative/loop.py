@@ -265,8 +265,8 @@ def speculative_generate_step(
                 proposal = draft.propose(k, sampling, _draft_logits_processor(processors, seen),
                                          keys)
                 # A model's drafts start computing now, while Python builds the verify pass on
-                # them (~3.5 ms for SmolLM2 on a CPU): on a GPU the two overlap whole; on a
-                # 2-core CPU, alternating runs, k = 1 / 3 / auto, 1.04 / 1.00 / 1.02x.
+                # them (~3.5 ms for SmolLM2 on a CPU): the two overlap where a GPU computes; a
+                # 2-core CPU has little room for it (docs/feature-drafts.md).
                 mx.async_eval(proposal.array, *(() if proposal.probs is None else (proposal.probs,)))
                 drafts = proposal.array[:k]  # maybe not computed yet: one wait for the pass
                 drafts = drafts[: _valid_prefix(processors, seen, drafts)]
