@@ -24,9 +24,9 @@ def speculative_options(f):
     options = [
         click.option("--draft", default="auto", show_default=True, expose_value=False,
                      callback=lambda ctx, param, v: ctx.meta.__setitem__("mlxspec.draft", v),
-                     help="Feature draft: 'auto' (the EAGLE-3 head shipped for this "
-                          "model, if any), a head's directory or Hub id, 'mtp' (the "
-                          "checkpoint's own MTP layers), or 'none'."),
+                     help="Feature draft, paired with prompt lookup: 'auto' (the EAGLE-3 "
+                          "head shipped for this model, if any), a head's directory or Hub "
+                          "id, 'mtp' (the checkpoint's own MTP layers), or 'none'."),
         click.option("--draft-model", default=None,
                      help="A smaller model sharing the tokenizer that proposes tokens."),
         click.option("--num-draft-tokens", default="auto", show_default=True,

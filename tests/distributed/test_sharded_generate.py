@@ -22,7 +22,7 @@ EDIT = ("Rename the variable x to total in this code:\n"
 
 
 LAYOUTS = {"tensor": "tensor: mlp", "pipeline": "pipeline: layers 15-29 of 30"}
-DRAFTERS = {"--prompt-lookup": "prompt lookup", "auto": "eagle-3"}
+DRAFTERS = {"--prompt-lookup": "prompt lookup", "auto": "eagle-3 + prompt lookup"}
 _REFERENCE: dict[str, str] = {}
 
 

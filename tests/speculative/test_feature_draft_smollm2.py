@@ -132,4 +132,5 @@ def test_served_lone_stream_drafts_with_the_head_and_yields_to_the_batch_exactly
     texts = second_request_while_speculating(engine, Request(prompt_a, max_tokens=48),
                                              Request(prompt_b, max_tokens=4), after=12)
     assert texts == {"first": reference(prompt_a, 48), "second": reference(prompt_b, 4)}
-    assert draft.target.features is not None and draft.cached > len(prompt_a)
+    head = draft.feature  # the head, paired with prompt lookup
+    assert head.target.features is not None and head.cached > len(prompt_a)
