@@ -88,6 +88,16 @@ def blas_report(measure: bool = False) -> dict[str, Any]:
     return blas_info.blas_report(measure=measure)
 
 
+def deadline(seconds: float, message: str | None = None) -> bool:
+    """End the process ``seconds`` from now with ``message`` (one line) on stderr and exit status
+    2, unless called again first (``seconds <= 0`` disarms), from a C thread: it fires even while
+    the Python thread is stuck in a call holding the GIL. False where that thread is not
+    available (Metal, no BLAS shim): then nothing happens."""
+    from mlxspec.cpu import blas
+
+    return blas.deadline(seconds, message)
+
+
 def cpu_model() -> str:
     """The CPU's name, with its family and model where Linux reports them (see
     :func:`mlxspec.cpu.jit.cpu_model`): benchmark results record it."""

@@ -25,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef int blas_int;
 typedef int cblas_enum; /* CBLAS_ORDER / CBLAS_TRANSPOSE */
@@ -764,3 +766,65 @@ const char *mlxspec_blas_load(const char *library, const char *prefix) {
 /* Number of forwarded routines and their names (for reports and tests). */
 size_t mlxspec_blas_count(void) { return N_FORWARDED; }
 const char *mlxspec_blas_name(size_t i) { return i < N_FORWARDED ? loaded[i].name : NULL; }
+
+/* A deadline at which the process ends (one line on stderr, exit status 2) unless it is pushed
+ * back first: a sharded run pushes it back at every forward pass (mlxspec.distributed.group's
+ * Watchdog, through mlxspec.cpu.deadline). It runs on a thread of its own without Python, so it
+ * also ends a process whose Python thread is stuck in a call that holds the GIL (a collective
+ * whose peer died), which the watchdog's Python thread cannot. */
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t changed;
+  int armed, started;
+  struct timespec at; /* CLOCK_MONOTONIC */
+  char message[512];
+} deadline = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void *deadline_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&deadline.lock);
+  for (;;) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (deadline.armed && (now.tv_sec > deadline.at.tv_sec ||
+                           (now.tv_sec == deadline.at.tv_sec && now.tv_nsec >= deadline.at.tv_nsec))) {
+      ssize_t written = write(2, deadline.message, strlen(deadline.message));
+      (void)written;
+      _exit(2);
+    }
+    /* look again in a second */
+    struct timespec wake = now;
+    wake.tv_sec += 1;
+    pthread_cond_timedwait(&deadline.changed, &deadline.lock, &wake);
+  }
+  return NULL;
+}
+
+/* End the process `seconds` from now with `message` (kept when NULL) on stderr; seconds <= 0
+ * disarms it. */
+void mlxspec_deadline(double seconds, const char *message) {
+  pthread_mutex_lock(&deadline.lock);
+  if (!deadline.started) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&deadline.changed, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, deadline_main, NULL) == 0) {
+      pthread_detach(thread);
+      deadline.started = 1;
+    }
+  }
+  if (message) snprintf(deadline.message, sizeof deadline.message, "%s", message);
+  deadline.armed = seconds > 0;
+  clock_gettime(CLOCK_MONOTONIC, &deadline.at);
+  if (seconds > 0) {
+    double whole = (double)(long long)seconds;
+    deadline.at.tv_sec += (time_t)whole;
+    deadline.at.tv_nsec += (long)((seconds - whole) * 1e9);
+    if (deadline.at.tv_nsec >= 1000000000L) deadline.at.tv_sec += 1, deadline.at.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_unlock(&deadline.lock); /* the thread looks again within a second */
+}
+

@@ -306,6 +306,16 @@ def shim_library() -> Path:
     return target
 
 
+def deadline(seconds: float, message: str | None = None) -> bool:
+    """End the process ``seconds`` from now with ``message`` on stderr and exit status 2 unless
+    called again first (``seconds <= 0`` disarms; ``message`` None keeps the last one), from a
+    thread of the shim that needs no GIL. False where the shim is not loaded."""
+    if _shim is None:
+        return False
+    _shim.mlxspec_deadline(ctypes.c_double(seconds), None if message is None else message.encode())
+    return True
+
+
 # -- reporting ------------------------------------------------------------------------------------
 
 

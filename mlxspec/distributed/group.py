@@ -13,11 +13,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxspec import cpu
 from mlxspec.errors import MlxspecError
 
 # Seconds a rank waits for one forward pass (prefill chunk or decode step) before it gives up on
 # its peers: the ring backend blocks forever on a peer that died without closing its socket.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MLXSPEC_SHARD_TIMEOUT", "60"))
+BACKSTOP_S = 5.0  # after the timeout: the C thread's end, if the watchdog's thread did not run
 
 
 class DistributedError(MlxspecError):
@@ -78,17 +80,22 @@ class Watchdog:
         self._paused = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._backstop = False  # the C deadline armed (mlxspec.cpu.deadline)
 
     def beat(self) -> None:
         self._last = time.monotonic()
+        if self._backstop:
+            cpu.deadline(self.timeout_s + BACKSTOP_S)
 
     def pause(self) -> None:
         """Stop counting until :meth:`resume`: the job waits for input, not for a peer."""
         self._paused = True
+        if self._backstop:
+            cpu.deadline(0)
 
     def resume(self) -> None:
-        self.beat()
         self._paused = False
+        self.beat()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -102,20 +109,28 @@ class Watchdog:
         while not self._done.wait(min(1.0, self.timeout_s / 4)):
             if not self._paused and time.monotonic() - self._last > self.timeout_s:
                 if is_primary():
-                    sys.__stderr__.write(
-                        f"error: a rank of the group stopped answering for {self.timeout_s:.0f} s "
-                        "(it failed or its host went away); check the other ranks' hosts and "
-                        "rerun (MLXSPEC_SHARD_TIMEOUT sets the wait)\n")
+                    sys.__stderr__.write(f"error: {self._message()}\n")
                     sys.__stderr__.flush()
                 os._exit(2)
 
     def __enter__(self) -> Watchdog:
+        # The same end from a C thread BACKSTOP_S later, for when this thread cannot run: the
+        # Python thread stuck in a call that holds the GIL (seen once in the suite, under load).
+        message = f"error: {self._message()}\n" if is_primary() else ""
+        self._backstop = cpu.deadline(self.timeout_s + BACKSTOP_S, message)
         self.beat()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        if self._backstop:
+            cpu.deadline(0)
+
+    def _message(self) -> str:
+        return (f"a rank of the group stopped answering for {self.timeout_s:.0f} s (it failed "
+                "or its host went away); check the other ranks' hosts and rerun "
+                "(MLXSPEC_SHARD_TIMEOUT sets the wait)")
 
 
 def waiting_for_input(model: Any) -> contextlib.AbstractContextManager:
