@@ -81,11 +81,12 @@ class Watchdog:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._backstop = False  # the C deadline armed (mlxspec.cpu.deadline)
+        self.backstop_s = BACKSTOP_S
 
     def beat(self) -> None:
         self._last = time.monotonic()
         if self._backstop:
-            cpu.deadline(self.timeout_s + BACKSTOP_S)
+            cpu.deadline(self.timeout_s + self.backstop_s)
 
     def pause(self) -> None:
         """Stop counting until :meth:`resume`: the job waits for input, not for a peer."""
@@ -114,10 +115,10 @@ class Watchdog:
                 os._exit(2)
 
     def __enter__(self) -> Watchdog:
-        # The same end from a C thread BACKSTOP_S later, for when this thread cannot run: the
+        # The same end from a C thread backstop_s later, for when this thread cannot run: the
         # Python thread stuck in a call that holds the GIL (seen once in the suite, under load).
         message = f"error: {self._message()}\n" if is_primary() else ""
-        self._backstop = cpu.deadline(self.timeout_s + BACKSTOP_S, message)
+        self._backstop = cpu.deadline(self.timeout_s + self.backstop_s, message)
         self.beat()
         self._thread.start()
         return self

@@ -37,6 +37,7 @@ import re, sys, time
 import mlxspec
 from mlxspec.distributed.group import Watchdog
 watchdog = Watchdog(timeout_s=0.5)
+watchdog.backstop_s = 1.0
 with watchdog:
     if sys.argv[1] == "wedged":  # the Python thread stuck in one call holding the GIL
         re.match(r"(a*)*b", "a" * 64)
@@ -44,7 +45,7 @@ with watchdog:
         for _ in range(10):
             time.sleep(0.1)
             watchdog.beat()
-time.sleep(6)
+time.sleep(3)  # past the deadline the last beat set, and the C thread's 1 s check
 print("done")
 """
 
@@ -52,7 +53,7 @@ print("done")
 @pytest.mark.parametrize("case", ["wedged", "beating"])
 def test_the_watchdog_ends_a_process_whose_python_thread_holds_the_gil(case):
     """A peer's death can leave rank 0 blocked in a call that holds the GIL, where the watchdog's
-    own thread never runs: the shim's C thread ends the process BACKSTOP_S later, with the
+    own thread never runs: the shim's C thread ends the process backstop_s later, with the
     one error line. Beats and the end of the block disarm it."""
     from mlxspec.cpu import blas
 
