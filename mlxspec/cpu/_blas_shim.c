@@ -774,7 +774,6 @@ const char *mlxspec_blas_name(size_t i) { return i < N_FORWARDED ? loaded[i].nam
  * whose peer died), which the watchdog's Python thread cannot. */
 static struct {
   pthread_mutex_t lock;
-  pthread_cond_t changed;
   int armed, started;
   struct timespec at; /* CLOCK_MONOTONIC */
   char message[512];
@@ -782,8 +781,8 @@ static struct {
 
 static void *deadline_main(void *arg) {
   (void)arg;
-  pthread_mutex_lock(&deadline.lock);
-  for (;;) {
+  for (;;) { /* once a second: the deadline is seconds long */
+    pthread_mutex_lock(&deadline.lock);
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     if (deadline.armed && (now.tv_sec > deadline.at.tv_sec ||
@@ -792,10 +791,9 @@ static void *deadline_main(void *arg) {
       (void)written;
       _exit(2);
     }
-    /* look again in a second */
-    struct timespec wake = now;
-    wake.tv_sec += 1;
-    pthread_cond_timedwait(&deadline.changed, &deadline.lock, &wake);
+    pthread_mutex_unlock(&deadline.lock);
+    struct timespec second = {1, 0};
+    nanosleep(&second, NULL);
   }
   return NULL;
 }
@@ -805,11 +803,6 @@ static void *deadline_main(void *arg) {
 void mlxspec_deadline(double seconds, const char *message) {
   pthread_mutex_lock(&deadline.lock);
   if (!deadline.started) {
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&deadline.changed, &attr);
-    pthread_condattr_destroy(&attr);
     pthread_t thread;
     if (pthread_create(&thread, NULL, deadline_main, NULL) == 0) {
       pthread_detach(thread);
@@ -825,6 +818,5 @@ void mlxspec_deadline(double seconds, const char *message) {
     deadline.at.tv_nsec += (long)((seconds - whole) * 1e9);
     if (deadline.at.tv_nsec >= 1000000000L) deadline.at.tv_sec += 1, deadline.at.tv_nsec -= 1000000000L;
   }
-  pthread_mutex_unlock(&deadline.lock); /* the thread looks again within a second */
+  pthread_mutex_unlock(&deadline.lock);
 }
-
