@@ -33,6 +33,7 @@ from mlxspec.quant.layers import zero_point_like
 from mlxspec.quant.zp_format import check_spec, dtype_name
 
 BLOCK_SIZE = 128  # columns per lazy-update block; a multiple of every supported group size
+SUB_BLOCK_SIZE = 16  # columns per inner block; divides every supported group size
 DEFAULT_DAMP = 0.01  # damping, as a fraction of the mean diagonal of H
 
 
@@ -62,13 +63,17 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
 
     With ``R`` the index reversal, ``chol(R H R) = R U^-1 R``, so one Cholesky factorisation and
     one triangular inverse give U (MLX's LAPACK on the CPU: ~8x faster than numpy here). MLX does
-    not report a failed factorisation, so the factor is checked; damping grows tenfold until H is
-    positive definite."""
+    not report a failed factorisation (LAPACK stops at the first non-positive pivot and leaves
+    the rest unfactored), so the factor is checked on random probes -- ``L (L^T V)`` against
+    ``A V``, O(n^2) where forming ``L L^T`` cost three factorisations; damping grows tenfold
+    until H is positive definite."""
     mean_diag = float(np.mean(np.diag(h)))
+    probes = mx.random.normal((h.shape[0], 4), key=mx.random.key(0))
     for _ in range(6):
-        damped = (h + damp * mean_diag * np.eye(h.shape[0]))[::-1, ::-1].astype(np.float32)
-        lower = mx.linalg.cholesky(mx.array(damped), stream=mx.cpu)
-        residual = mx.abs(lower @ lower.T - mx.array(damped)).max() / mx.abs(mx.array(damped)).max()
+        damped = mx.array((h + damp * mean_diag * np.eye(h.shape[0]))[::-1, ::-1].astype(np.float32))
+        lower = mx.linalg.cholesky(damped, stream=mx.cpu)
+        want = damped @ probes
+        residual = mx.abs(lower @ (lower.T @ probes) - want).max() / mx.abs(want).max()
         if mx.all(mx.diagonal(lower) > 0).item() and residual.item() < 1e-4:
             return np.array(mx.linalg.tri_inv(lower, stream=mx.cpu))[::-1, ::-1]
         damp *= 10
@@ -117,7 +122,6 @@ def quantize(
     w[:, dead] = 0.0
     qmax = 2**bits - 1
     n_groups = in_features // group_size
-    q = np.empty((out_features, in_features), np.uint8)
     scales = np.empty((out_features, n_groups), np.float32)
     zeros = np.empty((out_features, n_groups), np.float32)
     if static_groups:
@@ -130,23 +134,36 @@ def quantize(
     group_of = (np.arange(in_features) if perm is None else perm) // group_size
     u = np.ascontiguousarray(_inverse_cholesky(h, damp))
 
+    # Columns are walked as rows of W.T (contiguous). Lazy updates on two levels: a column's
+    # error reaches the rest of its sub-block at once (rank-1), the rest of its block once per
+    # sub-block and the later blocks once per block (matrix products). A group starts on a
+    # sub-block boundary, so its parameters are chosen from fully updated weights: the same
+    # algorithm as one rank-1 update per column.
+    wt, qt = np.ascontiguousarray(w.T), np.empty((in_features, out_features), np.uint8)
     for i1 in range(0, in_features, BLOCK_SIZE):
         i2 = min(i1 + BLOCK_SIZE, in_features)
-        block = w[:, i1:i2].copy()
+        block = wt[i1:i2].copy()
         errors = np.zeros_like(block)
-        for j in range(i2 - i1):
-            col = i1 + j
-            if static_groups:  # chosen up front; the column's own group, wherever it is visited
-                s, z = scales[:, group_of[col]], zeros[:, group_of[col]]
-            elif col % group_size == 0:  # a new group starts: pick its parameters now
-                s, z = rtn.find_params(block[:, j : j + group_size], bits, grid=grid, dtype=dtype)
-                scales[:, col // group_size], zeros[:, col // group_size] = s, z
-            qcol = np.clip(np.rint(block[:, j] / s) + z, 0, qmax)
-            q[:, col] = qcol
-            err = (block[:, j] - s * (qcol - z)) / u[col, col]
-            block[:, j:] -= np.outer(err, u[col, col:i2])
-            errors[:, j] = err
-        w[:, i2:] -= errors @ u[i1:i2, i2:]
+        for j1 in range(0, i2 - i1, SUB_BLOCK_SIZE):
+            j2 = min(j1 + SUB_BLOCK_SIZE, i2 - i1)
+            for j in range(j1, j2):
+                col = i1 + j
+                if static_groups:  # chosen up front; the column's own group, wherever visited
+                    s, z = scales[:, group_of[col]], zeros[:, group_of[col]]
+                elif col % group_size == 0:  # a new group starts: pick its parameters now
+                    s, z = rtn.find_params(block[j : j + group_size].T, bits, grid=grid,
+                                           dtype=dtype)
+                    scales[:, col // group_size], zeros[:, col // group_size] = s, z
+                qcol = np.rint(block[j] / s)
+                qcol += z
+                np.clip(qcol, 0, qmax, out=qcol)
+                qt[col] = qcol
+                err = (block[j] - s * (qcol - z)) / u[col, col]
+                block[j + 1 : j2] -= np.outer(u[col, col + 1 : i1 + j2], err)
+                errors[j] = err
+            block[j2:] -= u[i1 + j1 : i1 + j2, i1 + j2 : i2].T @ errors[j1:j2]
+        wt[i2:] -= u[i1:i2, i2:].T @ errors
+    q = np.ascontiguousarray(qt.T)
     if static_groups and perm is not None:  # back to the natural column order
         natural = np.empty_like(q)
         natural[:, perm] = q
