@@ -32,6 +32,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 from click.testing import CliRunner
+from cpu_builds import home_sharing_cpu_builds
 from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as T
 from hub_server import TOKENS, HubServer
@@ -70,7 +71,7 @@ def world(tmp_path, monkeypatch, hub_server, tiny_source):
     """A fresh watched directory (fixtures + mlxspec's cache), a fresh HF cache outside it, and
     the loopback Hub with a valid token."""
     watched = tmp_path / "w"
-    (watched / "home").mkdir(parents=True)
+    home_sharing_cpu_builds(watched / "home")  # subprocesses find the session's CPU builds
     monkeypatch.setenv("MLXSPEC_HOME", str(watched / "home"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
@@ -762,7 +763,7 @@ def test_ctrl_c_during_start_up_exits_130_quietly(tmp_path, tiny_source, when):
     converts the default model's GGUF: exit status 130, no traceback, no half-written cache."""
     from mlxspec.load import default_model_path
 
-    home = tmp_path / "home"
+    home = home_sharing_cpu_builds(tmp_path / "home")
     model = str(tiny_source) if when == "waiting-for-input" else str(default_model_path())
     process = subprocess.Popen(
         [sys.executable, "-m", "mlxspec.cli.main", "generate", "-m", model, "-p", "-"],
