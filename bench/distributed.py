@@ -1,12 +1,12 @@
 """A sharded target over two ring processes on loopback: tokens/s and collective rounds per token.
 
-    python bench/distributed.py [--max-tokens 64] [--out bench/results/distributed.json]
+    python bench/distributed.py [--max-tokens 64] [--repeats 3] [--out bench/results/distributed.json]
 
 In one run, on the default model (SmolLM2-135M) and an editing prompt (rename a variable in a
 function: the answer copies most of the prompt, where prompt lookup drafts well):
 
-    one process   plain, and speculative: prompt lookup, and the feature draft (the EAGLE-3 head
-                  shipped for the model, ``--draft auto``)
+    one process   plain, and speculative: prompt lookup, and the feature draft (``--draft auto``:
+                  the EAGLE-3 head shipped for the model, paired with prompt lookup)
     tensor-2      ``mlx.launch --backend ring -n 2 -- mlxspec generate --shard tensor``, the same three
     pipeline-2    the same with ``--shard pipeline``
     ... (ranks started directly)   tensor-2 and pipeline-2 again, the two ranks started as
@@ -21,7 +21,9 @@ seconds each rank burns in ``IDLE_SECONDS`` with no request, without the idle ti
 (``MLXSPEC_SHARD_IDLE_TICK=0``: the follower waits inside a ring collective, which spins) and
 with them (the default).
 
-Each row records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
+Every row runs ``--repeats`` times, all rows once per turn (on a shared host the load drifts
+between turns; one run per row disagreed by up to 2x), and reports its median run. Each row
+records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
 collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
 pipeline: one all-sum per stage; a speculative pass one more, rank 0's proposals) times passes per
@@ -153,6 +155,16 @@ def row(name: str, result: dict) -> dict:
             "rows_per_pass": round(tokens / passes + 1, 2) if spec else 1}
 
 
+def median_row(repeats: list[dict]) -> dict:
+    """One row of a configuration run several times: the run of median tokens/s (its passes and
+    rounds), every run's tokens/s beside it, and whether every run's text matched."""
+    ordered = sorted(repeats, key=lambda r: r["tokens_per_second"])
+    out = dict(ordered[(len(ordered) - 1) // 2])  # the lower median: an actual run
+    out["tokens_per_second_runs"] = [r["tokens_per_second"] for r in repeats]
+    out["text_matches"] = all(r["text_matches"] for r in repeats)
+    return out
+
+
 def round_seconds() -> tuple[float, float]:
     """Seconds of one all-sum of a hidden row over two ring ranks on loopback: ``(10th
     percentile, median)`` of 300."""
@@ -261,6 +273,8 @@ def _cpu_seconds(pid: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every row, in turns; the median is reported")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "distributed.json"))
     opts = parser.parse_args()
     load_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -271,21 +285,24 @@ def main() -> None:
             "--json"]
     drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"],
                 "feature draft": ["--draft", "auto"]}
-    rows, texts = [], {}
-    runs = [(None, False), ("tensor", False), ("pipeline", False), ("tensor", True),
-            ("pipeline", True)]
-    for shard, direct in runs:
-        for kind, extra in drafting.items():
-            name = f"{shard or 'one process'}-2 {kind}".replace("one process-2", "one process")
-            name += DIRECT if direct else ""
-            tic = time.perf_counter()
-            result = run([*base, *extra], shard, direct=direct)
-            r = row(name, result)
-            r["wall_seconds"] = round(time.perf_counter() - tic, 1)
-            texts[name] = result["text"]
-            r["text_matches"] = result["text"] == texts["one process plain"]
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    texts, runs = {}, {}  # runs: row name -> one row per repeat
+    configs = [(None, False), ("tensor", False), ("pipeline", False), ("tensor", True),
+               ("pipeline", True)]
+    for repeat in range(opts.repeats):  # every row once per turn: a load change hits them all
+        for shard, direct in configs:
+            for kind, extra in drafting.items():
+                name = f"{shard or 'one process'}-2 {kind}".replace("one process-2",
+                                                                    "one process")
+                name += DIRECT if direct else ""
+                tic = time.perf_counter()
+                result = run([*base, *extra], shard, direct=direct)
+                r = row(name, result)
+                r["wall_seconds"] = round(time.perf_counter() - tic, 1)
+                texts.setdefault(name, result["text"])
+                r["text_matches"] = result["text"] == texts["one process plain"]
+                runs.setdefault(name, []).append(r)
+                print(json.dumps({"repeat": repeat, **r}), flush=True)
+    rows = [median_row(of_name) for of_name in runs.values()]
     engine_rows = []
     for shard in (None, "tensor", "pipeline"):
         engine_rows.append(engine_row(shard, opts.max_tokens, [*base, *drafting["plain"]],
@@ -317,7 +334,8 @@ def main() -> None:
         "modelled_tokens_per_second": modelled(rows, loopback),
         "links_assumed": {k: {"one_way_latency_us": v[0] * 1e6, "bandwidth_gbs": v[1] / 1e9}
                           for k, v in LINKS.items()},
-        "runs": "one run per row, in turns in one invocation",
+        "runs": f"{opts.repeats} runs of every row, in turns in one invocation: the median "
+                "run's numbers, every run's tokens/s in tokens_per_second_runs",
     }
     Path(opts.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("speculative_over_plain", "loopback_round_seconds",
