@@ -271,9 +271,11 @@ def emit(row: dict, rows: list[dict], rows_file: str | None) -> None:
 
 def head_study(name: str, windows: int, out_root: str, variants: list[str],
                calibration: tuple[int, int] = (16, 256), rows_file: str | None = None,
-               block_act_order: bool = False) -> list[dict]:
-    """Where a 4-bit g64 model's KL comes from: its decoder blocks quantized once with awq+gptq
-    (the default; ``block_act_order``: GPTQ's act-order with static groups in the blocks), on the
+               block_act_order: bool = False, bits: int = 4,
+               float_blocks: bool = False) -> list[dict]:
+    """Where a ``bits``-bit g64 model's KL comes from: its decoder blocks quantized once with
+    awq+gptq (the default; ``block_act_order``: GPTQ's act-order with static groups in the
+    blocks; ``float_blocks``: left unquantized, to see the head's share alone), on the
     anchor comparison's calibration text (:func:`calibration_set_file`, ``mix``), then the output
     head (a tied embedding table: the input embedding too) swapped among ``variants``, each
     judged per domain like the anchor rows (in process, float32, the same held-out windows):
@@ -297,13 +299,14 @@ def head_study(name: str, windows: int, out_root: str, variants: list[str],
     tokens, _ = calibrate.calibration_windows(tokenizer, text, windows=calibration[0],
                                               window_tokens=calibration[1])
     model, _ = load(source)
-    plan = plan_layers(model, 4, 64, group_fallback=True)
+    plan = plan_layers(model, bits, 64, group_fallback=True)
     path, float_head, norm = q.output_head(model)
-    step = awq.AWQ(grid=1, dtype=mx.float32, rounding="gptq", act_order=block_act_order)
-    _, hidden = q._calibrated_blocks(model, plan, mx.array(tokens), step, lambda: None)
     hessian = gptq.Hessian(float_head.weight.shape[1])
-    for x in hidden:
-        hessian.add(norm(x))
+    if not float_blocks:  # (with float blocks only the float and rtnN head variants run)
+        step = awq.AWQ(grid=1, dtype=mx.float32, rounding="gptq", act_order=block_act_order)
+        _, hidden = q._calibrated_blocks(model, plan, mx.array(tokens), step, lambda: None)
+        for x in hidden:
+            hessian.add(norm(x))
     weight = np.array(float_head.weight.astype(mx.float32))
     rows = []
     for variant in variants:
@@ -315,14 +318,15 @@ def head_study(name: str, windows: int, out_root: str, variants: list[str],
             o = dict(kv.split("=") for kv in variant.split(":")[1:])
             act_order = bool(int(o.get("ao", 0)))
             qw, scales, zeros, _ = gptq.quantize(
-                weight, hessian.matrix(), 4, 64, damp=float(o.get("damp", gptq.DEFAULT_DAMP)),
+                weight, hessian.matrix(), bits, 64, damp=float(o.get("damp", gptq.DEFAULT_DAMP)),
                 grid=int(o.get("grid", 1)), act_order=act_order, static_groups=act_order,
                 dtype="float32")
-            layer = zero_point_like(float_head, qw, scales, zeros, bits=4, group_size=64,
+            layer = zero_point_like(float_head, qw, scales, zeros, bits=bits, group_size=64,
                                     dtype=mx.float32)
         replace_modules(model, {path: layer})
         result = compare_domains(model, cached, eval_windows)
-        row = {"model": name, "bits": 4, "group_size": 64, "blocks": "awq+gptq"
+        row = {"model": name, "bits": bits, "group_size": 64,
+               "blocks": "float" if float_blocks else "awq+gptq"
                + (" act-order (static groups)" if block_act_order else ""), "head": variant,
                "calibration": f"mix {calibration[0]} x {calibration[1]}",
                "kl_mean": result["kl_mean"], "worst_domain": result["worst"]["domain"],
@@ -626,11 +630,14 @@ def main() -> None:
                         help="append each anchor row to this JSONL file as it finishes")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--head-study", default=None, metavar="VARIANTS",
-                        help="blocks awq+gptq 4-bit g64, then these output-head variants, e.g. "
+                        help="blocks awq+gptq 4-bit g64 (--head-study-bits), then these output-head variants, e.g. "
                              "float,rtn10,gptq:damp=0.01,gptq:damp=0.1,gptq:damp=0.01:ao=1 "
                              "(rows into --anchor-rows; --head-study-act-order: act-order in "
                              "the blocks too)")
     parser.add_argument("--head-study-act-order", action="store_true")
+    parser.add_argument("--head-study-bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--head-study-float-blocks", action="store_true",
+                        help="leave the blocks unquantized (head variants float and rtnN only)")
     parser.add_argument("--table", default=None, metavar="ROWS_JSONL",
                         help="only print the per-domain markdown tables of an --anchor-rows file")
     args = parser.parse_args()
@@ -667,7 +674,9 @@ def main() -> None:
             r for n in names
             for r in head_study(n, args.windows, args.anchor_dir, args.head_study.split(","),
                                 rows_file=args.anchor_rows,
-                                block_act_order=args.head_study_act_order)]
+                                block_act_order=args.head_study_act_order,
+                                bits=args.head_study_bits,
+                                float_blocks=args.head_study_float_blocks)]
     if args.mlx_lm_anchors:
         tools = [t for t in args.mlx_lm_anchors.split(",") if t != "none"]  # none: mlxspec only
         cases = [tuple(int(x) for x in c.split("g")) for c in args.anchor_cases.split(",")]
