@@ -138,16 +138,17 @@ def draft_cost(drafter, model, context: int = 128) -> dict:
             "draft_over_target": round(draft / target, 4), "head_dtype": str(head.dtype)}
 
 
+def _mean_ratio(rows: list[dict], way: str, temp: float) -> float:
+    picked = [r[way]["vs_plain"] for r in rows if r["temp"] == temp]
+    return sum(picked) / max(len(picked), 1)
+
+
 def feature_checks(rows: list[dict], temps: list[float]) -> dict:
     checks = {}
     for way, name in (("draft_auto", "--draft auto"), ("head_auto", "head alone, auto-k")):
-        def mean_ratio(temp: float, way: str = way) -> float:
-            picked = [r[way]["vs_plain"] for r in rows if r["temp"] == temp]
-            return sum(picked) / max(len(picked), 1)
-
         checks[f"{name} never below 0.97x plain"] = all(r[way]["vs_plain"] >= 0.97 for r in rows)
         if 0.0 in temps:
-            checks[f"{name} >= 1.6x plain at T=0"] = mean_ratio(0.0) >= 1.6
+            checks[f"{name} >= 1.6x plain at T=0"] = _mean_ratio(rows, way, 0.0) >= 1.6
         if 0.7 in temps:
-            checks[f"{name} >= 1.25x plain at T=0.7"] = mean_ratio(0.7) >= 1.25
+            checks[f"{name} >= 1.25x plain at T=0.7"] = _mean_ratio(rows, way, 0.7) >= 1.25
     return checks

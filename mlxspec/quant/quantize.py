@@ -171,10 +171,11 @@ def _quantize_head(model, plan, calibration: mx.array, hidden: list[mx.array],
     spec = plan[path]
     weight = np.array(head.weight.astype(mx.float32))
 
-    def fitted(windows: slice) -> nn.Module:
+    def fitted(skip: int) -> nn.Module:
+        """GPTQ on the calibration windows after the first ``skip``."""
         hessian, seen = gptq.Hessian(head.weight.shape[1]), 0
         for x in hidden:  # (windows, tokens, hidden) per calibration chunk, in order
-            part = x[max(windows.start - seen, 0):] if windows.start else x
+            part = x[max(skip - seen, 0):]
             if part.shape[0]:
                 hessian.add(norm(part))
             seen += x.shape[0]
@@ -185,7 +186,7 @@ def _quantize_head(model, plan, calibration: mx.array, hidden: list[mx.array],
                                group_size=spec.group_size, dtype=dtype)
 
     held_out = calibration.shape[0] > HEAD_CHECK_WINDOWS
-    candidates = {"gptq": fitted(slice(HEAD_CHECK_WINDOWS if held_out else 0, None)),
+    candidates = {"gptq": fitted(HEAD_CHECK_WINDOWS if held_out else 0),
                   "rtn": _rtn_layer(head, spec, grid, dtype)}
     kl = {}
     for name, layer in candidates.items():
@@ -193,7 +194,7 @@ def _quantize_head(model, plan, calibration: mx.array, hidden: list[mx.array],
         kl[name] = _logit_kl(float_logits, model(calibration[:HEAD_CHECK_WINDOWS]))
     best = min(kl, key=kl.get)
     if best == "gptq" and held_out:
-        candidates["gptq"] = fitted(slice(0, None))
+        candidates["gptq"] = fitted(0)
     record = {"method": best, "damp": damp, "calibration_kl": {k: round(v, 5) for k, v in kl.items()},
               "check": "held-out calibration windows" if held_out else "fitted windows"}
     return path, candidates[best], record

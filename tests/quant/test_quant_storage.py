@@ -1,6 +1,6 @@
 """SmolLM2-135M quantized with GPTQ in float16 (4 bits, g64): MLX's affine layout, exact in
-float16, which plain mlx-lm loads, dequantizes bit for bit and computes the same logits from as mlxspec does
-(the checks: ``quant_storage_checks.py``).
+float16, from which plain mlx-lm loads and dequantizes the weights bit for bit and computes the
+logits mlxspec computes, bit for bit (the checks: ``quant_storage_checks.py``).
 """
 
 from __future__ import annotations

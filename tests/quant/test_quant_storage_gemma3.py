@@ -1,6 +1,6 @@
 """Gemma-3-270M quantized with AWQ in bfloat16 (4 bits, g64): MLX's affine layout, exact in
-bfloat16, which plain mlx-lm loads, dequantizes bit for bit and computes the same logits from as mlxspec does
-(the checks: ``quant_storage_checks.py``).
+bfloat16, from which plain mlx-lm loads and dequantizes the weights bit for bit and computes the
+logits mlxspec computes, bit for bit (the checks: ``quant_storage_checks.py``).
 """
 
 from __future__ import annotations
