@@ -2,7 +2,9 @@
 
     float32 + BLAS      the GGUF dequantized to float32, OpenBLAS (mlxspec's path before issue 43)
     mlx quantized       the GGUF's blocks as MLX quantized weights, MLX's own quantized_matmul
-    mlxspec 4-bit       the same weights through mlxspec's packed-weight kernel (the default now)
+    mlxspec 4-bit       the same weights through mlxspec's packed-weight kernel, each Llama layer
+                        four ops (mlxspec/cpu/layers.py): the default
+    ..., layers unfused the same with mlx-lm's layers as written (MLXSPEC_CPU_LAYERS=0)
     mlxspec 8-bit       the float32 weights requantized by MLX (nn.quantize, 8 bits, group 32),
                         through the kernel
     ..., int8 x         the same with int8 activations (MLXSPEC_CPU_QMM_ACTIVATIONS=int8, VNNI)
@@ -62,6 +64,7 @@ ROWS = {  # name -> environment of its process
     "mlx quantized_matmul": {"MLXSPEC_CPU_QMM": "0", "MLXSPEC_GGUF_WEIGHTS": "quantized",
                              "MLXSPEC_ZP_CPU": "quantized"},
     "mlxspec 4-bit": {"MLXSPEC_GGUF_WEIGHTS": "quantized"},
+    "mlxspec 4-bit, layers unfused": {"MLXSPEC_GGUF_WEIGHTS": "quantized", "MLXSPEC_CPU_LAYERS": "0"},
     "mlxspec 4-bit, int8 x": {"MLXSPEC_GGUF_WEIGHTS": "quantized", INT8: "int8"},
     "mlxspec 4-bit, 1 thread": {"MLXSPEC_GGUF_WEIGHTS": "quantized", "OPENBLAS_NUM_THREADS": "1"},
     "mlxspec 8-bit": {"MLXSPEC_GGUF_WEIGHTS": "dense", "BENCH_REQUANTIZE_BITS": "8"},
@@ -246,7 +249,8 @@ print(json.dumps({"decode_tps": (len(out) - 1) / seconds, "decoded": len(out) - 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MLXSPEC_CPU_QMM", "MLXSPEC_GGUF_WEIGHTS", "MLXSPEC_ZP_CPU")}
+           if k not in ("MLXSPEC_CPU_QMM", "MLXSPEC_GGUF_WEIGHTS", "MLXSPEC_ZP_CPU",
+                        "MLXSPEC_CPU_LAYERS")}
     return {**env, "OPENBLAS_NUM_THREADS": str(THREADS), **extra}
 
 

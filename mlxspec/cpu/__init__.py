@@ -11,6 +11,7 @@ every switch):
     fused_ops    RoPE and RMSNorm as compiled kernels
     ops          attention and the greedy argmax as single MLX primitives (``_ops.cpp``)
     quantized    4/8-bit affine products on the packed weights (``_quantized.cpp``)
+    layers       a Llama decoder layer as four ops on those products (``_layer.h``)
     huge_pages   weights onto 2 MB pages
 
 The rest of mlxspec calls only the functions below: :func:`start` when ``mlxspec`` is imported
@@ -52,14 +53,15 @@ def before_load() -> None:
 def prepare(model: nn.Module | None, *, lazy: bool = False) -> None:
     """After ``model`` is built: compiled RoPE/RMSNorm and the attention primitive enabled
     (process-wide, the same bits), the model's MLX quantized layers given the packed-weight
-    kernel, the weights moved onto 2 MB pages in the background (not for a ``lazy`` model, whose
+    kernel (and Llama layers four ops each), the weights moved onto 2 MB pages in the background (not for a ``lazy`` model, whose
     weights are not there yet), and the BLAS threads sized again past the start-up's own load."""
-    from mlxspec.cpu import blas, fused_ops, huge_pages, ops, quantized
+    from mlxspec.cpu import blas, fused_ops, huge_pages, layers, ops, quantized
 
     fused_ops.enable()
     ops.enable()
     if model is not None:
         quantized.install(model)
+        layers.install(model)
     if model is not None and not lazy:
         huge_pages.back_weights(model)
     blas.refresh_threads()
@@ -68,7 +70,7 @@ def prepare(model: nn.Module | None, *, lazy: bool = False) -> None:
 def report(measure: bool = True) -> dict[str, Any]:
     """What the CPU backend does in this process, one entry per part (``mlxspec doctor``);
     ``measure`` times a BLAS product for its GFLOP/s."""
-    from mlxspec.cpu import allocator, blas_info, fused_ops, huge_pages, jit, ops, quantized
+    from mlxspec.cpu import allocator, blas_info, fused_ops, huge_pages, jit, layers, ops, quantized
 
     return {
         "blas": blas_info.blas_report(measure=measure),
@@ -76,6 +78,7 @@ def report(measure: bool = True) -> dict[str, Any]:
         "cpu_jit": jit.describe(),
         "cpu_ops": ops.describe(),
         "quantized_products": quantized.describe(),
+        "llama_layers": layers.describe(),
         "huge_pages": huge_pages.describe(),
         "allocator": allocator.describe(),
     }

@@ -43,12 +43,15 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+
+#include "_mlx_bits.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -654,10 +657,18 @@ mx::array quantized_matmul(const mx::array &x, const mx::array &w, const mx::arr
 
 }  // namespace
 
+#include "_layer.h"
+
 NB_MODULE(_mlxspec_cpu_quantized, m) {
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.attr("int8_activations") = HAS_VNNI;
   m.attr("isa") = ISA;
   m.attr("max_kernel_rows") = MAX_KERNEL_ROWS;
+  m.def("decode_layer", &decode_layer, nb::arg("x"), nb::arg("norm1"), nb::arg("norm2"),
+        nb::arg("cos"), nb::arg("sin"), nb::arg("keys"), nb::arg("values"), nb::arg("weights"),
+        nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"), nb::arg("offset"),
+        nb::arg("traditional"), nb::arg("causal"), nb::arg("scale"), nb::arg("eps1"),
+        nb::arg("eps2"), nb::arg("bits"), nb::arg("groups"));
+  m.def("layer_cache_copies", []() { return layer_cache_copies.load(); });
 }

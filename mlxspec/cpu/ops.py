@@ -40,6 +40,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -262,6 +263,21 @@ def _compiler() -> list[str]:
     return ["g++"]
 
 
+def _source_texts(source: Path) -> list[str]:
+    """The source's text and that of every header of this directory it includes (``#include
+    "_name.h"``, recursively): what the build key must cover."""
+    texts, pending, seen = [], [source], set()
+    while pending:
+        path = pending.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_text()
+        texts.append(text)
+        pending += [source.with_name(name) for name in re.findall(r'^#include "(_\w+\.h)"', text, re.M)]
+    return texts
+
+
 def library(source: Path = SOURCE, module_name: str = MODULE_NAME,
             extra_flags: tuple[str, ...] = ()) -> Path:
     """The built module, compiled on first use into ``$MLXSPEC_HOME/cpu_ops/``.
@@ -275,7 +291,7 @@ def library(source: Path = SOURCE, module_name: str = MODULE_NAME,
     compiler = _compiler()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     flags = [*_flags(), *extra_flags]
-    key_text = "\n".join([source.read_text(), mx.__version__, nanobind.__version__, suffix,
+    key_text = "\n".join([*_source_texts(source), mx.__version__, nanobind.__version__, suffix,
                           platform.machine(), *flags, *compiler])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     directory = paths.home() / "cpu_ops"
