@@ -92,11 +92,7 @@ void project(const LayerJob &L, std::initializer_list<int> ps, const float *x, f
     for (int m = 0; m < L.M; ++m) rows[m] = (int64_t)m * j.K;
     j.xp = xp + (size_t)i * L.M * j.K, j.out = outs.begin()[i];
     prepare_x(x, rows.data(), 1, j.M, j.K, j.bits, const_cast<float *>(j.xp));
-    // run_rows' split: tasks of >= TASK_BYTES of W each, at most 16, rows a multiple of NR
-    const int tasks = std::max(1, std::min(std::min(16, j.N / (4 * NR)),
-                                           (int)((double)j.N * j.row_bytes / TASK_BYTES)));
-    j.rows_per_task = ((j.N + tasks - 1) / tasks + NR - 1) / NR * NR;
-    P.first_task[i + 1] = P.first_task[i] + (j.N + j.rows_per_task - 1) / j.rows_per_task;
+    P.first_task[i + 1] = P.first_task[i] + split_rows(j, NR);
     work += (double)j.M * j.N * j.K;
   }
   ParallelFor pf = parallel_for();

@@ -479,16 +479,21 @@ void prepare_x(const float *x, const int64_t *rows, int64_t cs, int M, int K, in
   }
 }
 
+/* W's rows cut into tasks of >= TASK_BYTES of W each (a contiguous stream the prefetchers can
+ * follow), at most 16, each a multiple of `align` rows: sets j.rows_per_task, returns the count. */
+int split_rows(Job &j, int align) {
+  const int tasks = std::max(1, std::min(std::min(16, j.N / (4 * align)),
+                                         (int)((double)j.N * j.row_bytes / TASK_BYTES)));
+  j.rows_per_task = ((j.N + tasks - 1) / tasks + align - 1) / align * align;
+  return (j.N + j.rows_per_task - 1) / j.rows_per_task;
+}
+
 /* Rows over the pool's threads, each task's rows computed whole by one thread. */
 void run_rows(Job &j, void (*fn)(void *, int), int align) {
   const double work = (double)j.M * j.N * j.K;
   ParallelFor pf = parallel_for();
   if (pf && work >= PARALLEL_MIN_WORK && j.N >= 8 * align) {
-    // tasks of >= TASK_BYTES of W each (a contiguous stream the prefetchers can follow), <= 16
-    const int tasks = std::max(1, std::min(std::min(16, j.N / (4 * align)),
-                                           (int)((double)j.N * j.row_bytes / TASK_BYTES)));
-    j.rows_per_task = ((j.N + tasks - 1) / tasks + align - 1) / align * align;
-    pf((j.N + j.rows_per_task - 1) / j.rows_per_task, fn, &j);
+    pf(split_rows(j, align), fn, &j);
   } else {
     j.rows_per_task = j.N;
     fn(&j, 0);
