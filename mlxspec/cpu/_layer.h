@@ -42,7 +42,7 @@ inline float mlx_sigmoid(float x) {
 
 struct LayerConfig {
   int heads, kv_heads, rope_dims, offset;
-  bool traditional, causal;
+  bool traditional, causal, int8;  // int8: activations rounded to int8 (VNNI), as the product's
   float scale, eps1, eps2;
   std::vector<int> bits, groups;  // per projection: q, k, v, o, gate, up, down
 
@@ -69,30 +69,60 @@ struct Products {
   Job jobs[3];
   int first_task[4];  // task index where each job's tasks start; first_task[count] = total
   int count;
+  bool int8;
 };
 
 void products_task(void *context, int i) {
   const Products &P = *static_cast<const Products *>(context);
   int at = 0;
   while (i >= P.first_task[at + 1]) ++at;
-  task(const_cast<Job *>(&P.jobs[at]), i - P.first_task[at]);
+  (P.int8 ? task_q8 : task)(const_cast<Job *>(&P.jobs[at]), i - P.first_task[at]);
 }
 
-/* x (M, K) row-major through projections ps[0 .. count) into outs[...] (M, N each); xp holds
- * count * M * K floats (x in each product's chunk order). */
-void project(const LayerJob &L, std::initializer_list<int> ps, const float *x, float *xp,
+/* A buffer of at least n floats of this thread's (grown, never shrunk): slot 0 a layer half's
+ * activations, slot 1 x prepared for the products. The kernel's tasks, which may run on this
+ * thread too, use scratch(). */
+float *layer_buffer(size_t n, int slot) {
+  static thread_local std::vector<float> buffers[2];
+  if (buffers[slot].size() < n) buffers[slot].resize(n);
+  return buffers[slot].data();
+}
+
+/* x (M, K) row-major through projections ps[0 .. count) into outs[...] (M, N each), x as
+ * QuantizedMatmul prepares it: in each product's chunk order, or rounded to int8 per block
+ * (int8 activations). */
+void project(const LayerJob &L, std::initializer_list<int> ps, const float *x,
              std::initializer_list<float *> outs) {
   Products P{};
-  P.count = (int)ps.size();
+  P.count = (int)ps.size(), P.int8 = L.c.int8;
   std::vector<int64_t> rows(L.M);
-  double work = 0;
+  size_t need = 0;
   for (int i = 0; i < P.count; ++i) {
     Job &j = P.jobs[i];
     j = L.proj[ps.begin()[i]];
+    j.blocks = (int)((j.row_bytes + 63) / 64);
+    need += P.int8 ? (size_t)L.M * (j.blocks * 64 * 8 / j.bits / 4 + j.blocks * 16 + j.groups) + 16
+                   : (size_t)L.M * j.K;
+  }
+  float *buffer = layer_buffer(need, 1);
+  double work = 0;
+  for (int i = 0; i < P.count; ++i) {
+    Job &j = P.jobs[i];
     for (int m = 0; m < L.M; ++m) rows[m] = (int64_t)m * j.K;
-    j.xp = xp + (size_t)i * L.M * j.K, j.out = outs.begin()[i];
-    prepare_x(x, rows.data(), 1, j.M, j.K, j.bits, const_cast<float *>(j.xp));
-    P.first_task[i + 1] = P.first_task[i] + split_rows(j, NR);
+    j.out = outs.begin()[i];
+    if (P.int8) {  // as QuantizedMatmul's dispatch: xq, then each lane's dx, then x's group sums
+      const size_t per_row = (size_t)j.blocks * 64 * 8 / j.bits;
+      auto *xq = reinterpret_cast<int8_t *>(buffer);
+      float *f = buffer + L.M * per_row / 4 + 16;
+      prepare_xq(x, rows.data(), 1, j, xq, f, f + (size_t)L.M * j.blocks * 16);
+      j.xq = xq, j.dxv = f, j.xs = f + (size_t)L.M * j.blocks * 16;
+      buffer = f + (size_t)L.M * (j.blocks * 16 + j.groups);
+    } else {
+      prepare_x(x, rows.data(), 1, j.M, j.K, j.bits, buffer);
+      j.xp = buffer;
+      buffer += (size_t)L.M * j.K;
+    }
+    P.first_task[i + 1] = P.first_task[i] + split_rows(j, P.int8 ? NR8 : NR);
     work += (double)j.M * j.N * j.K;
   }
   ParallelFor pf = parallel_for();
@@ -116,14 +146,6 @@ void rope_heads(const LayerJob &L, const float *x, int heads, float *out) {
   rotate(r);
 }
 
-/* A buffer of at least n floats for this thread's layer halves (the kernel's tasks, which may run
- * on this thread too, use scratch()). */
-float *layer_arena(size_t n) {
-  static thread_local std::vector<float> arena;
-  if (arena.size() < n) arena.resize(n);
-  return arena.data();
-}
-
 /* x (1, M, D) of any strides as a row-major (M, D) (into dst where it is strided). */
 const float *rows_of_x(const LayerJob &L, float *dst) {
   if (!L.x_strided) return L.x;
@@ -138,12 +160,12 @@ const float *rows_of_x(const LayerJob &L, float *dst) {
 void run_qkv(const LayerJob &L) {
   const int M = L.M;
   const int64_t QD = L.q_width(), KD = L.kv_width(), hd = L.head_dim;
-  float *h = layer_arena((size_t)M * (5 * L.D + 2 * QD + 2 * KD));
+  float *h = layer_buffer((size_t)M * (2 * L.D + 2 * QD + 2 * KD), 0);
   float *xc = h + M * L.D, *q = xc + M * L.D, *qr = q + M * QD, *k = qr + M * QD;
-  float *v = k + M * KD, *xp = v + M * KD;
+  float *v = k + M * KD;
   float *qs = L.out, *kr = qs + M * QD, *vh = kr + M * KD;
   rms_norm(L, rows_of_x(L, xc), L.c.eps1, h);
-  project(L, {PROJ_Q, PROJ_K, PROJ_V}, h, xp, {q, k, v});
+  project(L, {PROJ_Q, PROJ_K, PROJ_V}, h, {q, k, v});
   rope_heads(L, q, L.c.heads, qr);
   rope_heads(L, k, L.c.kv_heads, kr);
   for (int64_t i = 0; i < M * QD; ++i) qs[i] = L.c.scale * qr[i];
@@ -157,10 +179,9 @@ void run_qkv(const LayerJob &L) {
 void run_rest(const LayerJob &L) {
   const int M = L.M, D = L.D, F = L.hidden, hd = L.head_dim;
   const int64_t QD = L.q_width(), plane = (int64_t)L.capacity * hd;
-  const int64_t widest = std::max<int64_t>({2 * D, QD, F});
-  float *att = layer_arena((size_t)M * (2 * QD + 4 * D + 3 * F + widest));
+  float *att = layer_buffer((size_t)M * (2 * QD + 4 * D + 3 * F), 0);
   float *o_in = att + M * QD, *xc = o_in + M * QD, *o = xc + M * D, *x1 = o + M * D;
-  float *h = x1 + M * D, *g = h + M * D, *u = g + M * F, *a = u + M * F, *xp = a + M * F;
+  float *h = x1 + M * D, *g = h + M * D, *u = g + M * F, *a = u + M * F;
   const mx::Strides cache_strides{L.c.kv_heads * plane, plane, hd, 1};
   Problem p{1, L.c.heads, L.c.kv_heads, M, L.c.offset + M, hd, L.c.causal ? CAUSAL : NO_MASK,
             L.qkv, L.keys, L.values, nullptr, mx::Strides{M * QD, M * hd, hd, 1}, cache_strides,
@@ -170,16 +191,16 @@ void run_rest(const LayerJob &L) {
     for (int hh = 0; hh < L.c.heads; ++hh)
       std::memcpy(o_in + m * QD + (int64_t)hh * hd, att + ((int64_t)hh * M + m) * hd,
                   sizeof(float) * hd);
-  project(L, {PROJ_O}, o_in, xp, {o});
+  project(L, {PROJ_O}, o_in, {o});
   const float *x = rows_of_x(L, xc);
   for (int64_t i = 0; i < (int64_t)M * D; ++i) x1[i] = x[i] + o[i];
   rms_norm(L, x1, L.c.eps2, h);
-  project(L, {PROJ_GATE, PROJ_UP}, h, xp, {g, u});
+  project(L, {PROJ_GATE, PROJ_UP}, h, {g, u});
   for (int64_t i = 0; i < (int64_t)M * F; ++i) {
     const float silu = g[i] * mlx_sigmoid(g[i]);
     a[i] = silu * u[i];
   }
-  project(L, {PROJ_DOWN}, a, xp, {o});
+  project(L, {PROJ_DOWN}, a, {o});
   for (int64_t i = 0; i < (int64_t)M * D; ++i) L.out[i] = x1[i] + o[i];
 }
 
@@ -317,17 +338,19 @@ class CacheRows : public mx::UnaryPrimitive {
 /* x (1, M, D) float32 with 1 <= M <= MAX_KERNEL_ROWS; norms (D,) float32; cos, sin (M, rope_dims
  * / 2) float32 (mlxspec.cpu.fused_ops' tables at `offset`); keys, values (1, KV, capacity,
  * head_dim) float32 row-contiguous with offset + M <= capacity; weights: 7 x (w, scales, biases)
- * of q, k, v, o, gate, up, down in MLX's affine layout with bits[i], groups[i]. Returns the
- * layer's output (1, M, D) and the cache's keys and values with the new rows. */
+ * of q, k, v, o, gate, up, down in MLX's affine layout with bits[i], groups[i]; int8: the
+ * products' activations rounded to int8 (where the CPU has VNNI). Returns the layer's output
+ * (1, M, D) and the cache's keys and values with the new rows. */
 std::vector<mx::array> decode_layer(const mx::array &x, const mx::array &norm1,
                                     const mx::array &norm2, const mx::array &cos,
                                     const mx::array &sin, const mx::array &keys,
                                     const mx::array &values, const std::vector<mx::array> &weights,
                                     int heads, int kv_heads, int rope_dims, int offset,
                                     bool traditional, bool causal, float scale, float eps1,
-                                    float eps2, std::vector<int> bits, std::vector<int> groups) {
-  LayerConfig config{heads, kv_heads, rope_dims, offset, traditional, causal, scale, eps1, eps2,
-                     std::move(bits), std::move(groups)};
+                                    float eps2, std::vector<int> bits, std::vector<int> groups,
+                                    bool int8) {
+  LayerConfig config{heads, kv_heads, rope_dims, offset, traditional, causal, int8 && HAS_VNNI,
+                     scale, eps1, eps2, std::move(bits), std::move(groups)};
   auto fail = [](const char *what) {
     throw std::invalid_argument(std::string("[mlxspec layer] ") + what);
   };

@@ -674,6 +674,6 @@ NB_MODULE(_mlxspec_cpu_quantized, m) {
         nb::arg("cos"), nb::arg("sin"), nb::arg("keys"), nb::arg("values"), nb::arg("weights"),
         nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"), nb::arg("offset"),
         nb::arg("traditional"), nb::arg("causal"), nb::arg("scale"), nb::arg("eps1"),
-        nb::arg("eps2"), nb::arg("bits"), nb::arg("groups"));
+        nb::arg("eps2"), nb::arg("bits"), nb::arg("groups"), nb::arg("int8") = false);
   m.def("layer_cache_copies", []() { return layer_cache_copies.load(); });
 }

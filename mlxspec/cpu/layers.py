@@ -14,8 +14,9 @@ output, the cache and the logits are bitwise the unfused ones (``tests/cpu/test_
 kernel, ``nn.RoPE``, ``nn.RMSNorm``) for :class:`LlamaBlock`, from ``mlxspec.cpu.prepare``. A call
 takes the fused path for one sequence (batch 1) of up to 24 new tokens, float32, with mask None or
 ``"causal"``, on mlx-lm's plain ``KVCache`` whose buffer has room for them; anything else (prefill,
-the first step after the cache grows, batches, rotating or quantized caches, int8 activations)
-runs the layer as mlx-lm wrote it. ``MLXSPEC_CPU_LAYERS=0`` turns it off.
+the first step after the cache grows, batches, rotating or quantized caches) runs the layer as
+mlx-lm wrote it. With int8 activations (``MLXSPEC_CPU_QMM_ACTIVATIONS=int8``) the products round
+x as the unfused products do: the same bits again. ``MLXSPEC_CPU_LAYERS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ _KEY = os.fsencode(SWITCH)
 
 
 def enabled() -> bool:
-    """The primitive can run here now: the packed kernel (with float32 activations), the
-    attention op and the RoPE tables are on, and neither this switch nor the kernel's is off."""
+    """The primitive can run here now: the packed kernel, the attention op and the RoPE tables
+    are on, and neither this switch nor the kernel's is off."""
     value = os.environ.get(SWITCH) if _ENVIRON is None else _ENVIRON.get(_KEY)
     if _off(value) or not (quantized.enabled() and ops.enabled() and fused_ops.enabled()):
         return False
-    kernel_off, int8 = quantized._product_switches()
-    return not kernel_off and not int8
+    return not quantized._product_switches()[0]
 
 
 def install(model: nn.Module) -> int:
@@ -103,7 +103,7 @@ def describe() -> str:
     if turned_off(SWITCH):
         return f"off ({SWITCH}=0)"
     if not enabled():
-        return "off (needs the packed-weight kernel with float32 activations, the attention op and RoPE tables)"
+        return "off (needs the packed-weight kernel, the attention op and the RoPE tables)"
     return (f"Llama layers as 4 ops each ({_installed[0]} installed in this process); "
             f"{SWITCH}=0 turns it off")
 
@@ -142,7 +142,7 @@ def _fused(layer: llama.TransformerBlock, x: mx.array, mask: object, cache: obje
         values, weights, attn.n_heads, attn.n_kv_heads, rope.dims, offset, rope.traditional,
         mask is not None, float(attn.scale), float(layer.input_layernorm.eps),
         float(layer.post_attention_layernorm.eps), [p.bits for p in projections],
-        [p.group_size for p in projections])
+        [p.group_size for p in projections], quantized.int8_activations())
     cache.offset += tokens
     return out
 
