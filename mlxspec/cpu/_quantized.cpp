@@ -63,7 +63,7 @@ extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, i
 namespace {
 
 constexpr int MAX_KERNEL_ROWS = 24;  // larger products: dequantized tiles through sgemm
-constexpr int TILE_ROWS = 256;       // rows of W per dequantized tile (sgemm path)
+constexpr size_t TILE_FLOATS = 1 << 20;  // a dequantized tile of W at most (sgemm path)
 constexpr double PARALLEL_MIN_WORK = 1 << 16;  // multiply-adds below which one thread computes
 constexpr double TASK_BYTES = 1 << 16;         // bytes of W per thread task at least
 
@@ -545,10 +545,13 @@ void dequantize_task(void *context, int i) {
 /* M > MAX_KERNEL_ROWS: W a tile of rows at a time dequantized (on the pool's threads) and
  * multiplied by sgemm (OpenBLAS's threads), x in the same chunk order as the tile's columns. */
 void sgemm_product(const Job &j) {
-  std::vector<float> tile_buf((size_t)TILE_ROWS * j.K);
+  // tiles of up to 4 MB (a whole matrix of a small model: fewer, larger sgemm calls), in this
+  // thread's scratch (not zeroed: every element is written before it is read)
+  const int tile_rows = std::max(8, std::min(j.N, (int)(TILE_FLOATS / j.K)));
+  float *tile = scratch((size_t)tile_rows * j.K, 2);
   ParallelFor pf = parallel_for();
-  for (int n0 = 0; n0 < j.N; n0 += TILE_ROWS) {
-    TileJob t{&j, j.xp, n0, std::min(TILE_ROWS, j.N - n0), tile_buf.data()};
+  for (int n0 = 0; n0 < j.N; n0 += tile_rows) {
+    TileJob t{&j, j.xp, n0, std::min(tile_rows, j.N - n0), tile};
     if (pf)
       pf(8, dequantize_task, &t);
     else
