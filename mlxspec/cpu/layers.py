@@ -33,7 +33,7 @@ from mlxspec.cpu import fused_ops, ops, quantized
 from mlxspec.switches import turned_off
 
 SWITCH = "MLXSPEC_CPU_LAYERS"
-MAX_TOKENS = 24  # the packed kernel's rows (_quantized.cpp's MAX_KERNEL_ROWS)
+_installed = [0]  # layers given the primitive in this process (doctor's line)
 
 
 def _projections(layer: llama.TransformerBlock) -> tuple[nn.Module, ...]:
@@ -95,9 +95,6 @@ def install(model: nn.Module) -> int:
     return count
 
 
-_installed = [0]
-
-
 def describe() -> str:
     """One line for ``mlxspec doctor``."""
     if turned_off(SWITCH):
@@ -116,8 +113,9 @@ def cache_copies() -> int:
 
 
 def _fused(layer: llama.TransformerBlock, x: mx.array, mask: object, cache: object) -> mx.array | None:
-    if not (type(cache) is KVCache and x.ndim == 3 and x.shape[0] == 1
-            and 1 <= x.shape[1] <= MAX_TOKENS and x.dtype == mx.float32
+    module = quantized._state.get("module")
+    if not (module is not None and type(cache) is KVCache and x.ndim == 3 and x.shape[0] == 1
+            and 1 <= x.shape[1] <= module.max_kernel_rows and x.dtype == mx.float32
             and (mask is None or (isinstance(mask, str) and mask == "causal"))):
         return None
     keys, values, offset, tokens = cache.keys, cache.values, cache.offset, x.shape[1]
@@ -136,7 +134,6 @@ def _fused(layer: llama.TransformerBlock, x: mx.array, mask: object, cache: obje
     attn, rope = layer.self_attn, layer.self_attn.rope
     cos, sin = fused_ops._shared_tables(offset, tokens, rope.dims, rope.traditional, rope.base,
                                         rope.scale, None, mx.float32)
-    module = quantized._state["module"]
     out, cache.keys, cache.values = module.decode_layer(
         x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos, sin, keys,
         values, weights, attn.n_heads, attn.n_kv_heads, rope.dims, offset, rope.traditional,
