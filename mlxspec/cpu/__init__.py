@@ -53,8 +53,9 @@ def before_load() -> None:
 def prepare(model: nn.Module | None, *, lazy: bool = False) -> None:
     """After ``model`` is built: compiled RoPE/RMSNorm and the attention primitive enabled
     (process-wide, the same bits), the model's MLX quantized layers given the packed-weight
-    kernel (and Llama layers four ops each), the weights moved onto 2 MB pages in the background (not for a ``lazy`` model, whose
-    weights are not there yet), and the BLAS threads sized again past the start-up's own load."""
+    kernel and its Llama layers four ops each, the weights moved onto 2 MB pages in the
+    background (not for a ``lazy`` model, whose weights are not there yet), and the BLAS threads
+    sized again past the start-up's own load."""
     from mlxspec.cpu import blas, fused_ops, huge_pages, layers, ops, quantized
 
     fused_ops.enable()

@@ -78,6 +78,14 @@ struct Problem {
   float *out;
 };
 
+/* The BLAS shim's thread pool, where it is loaded (else null): fn(context, i) for i < count, each
+ * call computed whole by one thread, the calling thread taking part. */
+using ParallelFor = void (*)(int, void (*)(void *, int), void *);
+ParallelFor parallel_for() {
+  static auto fn = reinterpret_cast<ParallelFor>(dlsym(RTLD_DEFAULT, "mlxspec_blas_parallel_for"));
+  return fn;
+}
+
 /* mlxspec's BLAS shim, where it is loaded: whether a product of this shape goes to a kernel
  * whose outputs do not depend on how many rows share the call (then a KV head's query heads go
  * in one call, the same bits as one call per head). */
@@ -224,14 +232,12 @@ void attend_pair(const Plan &plan, int b, int kvh) {
 constexpr double ATTENTION_PARALLEL_MIN_WORK = 1 << 18;
 
 void attend(const Problem &p) {
-  using ParallelFor = void (*)(int, void (*)(void *, int), void *);
-  static auto parallel_for =
-      reinterpret_cast<ParallelFor>(dlsym(RTLD_DEFAULT, "mlxspec_blas_parallel_for"));
+  ParallelFor pf = parallel_for();
   const Plan plan = plan_for(p);
   const int pairs = p.batch * p.kv_heads;
   const double work = 2.0 * p.batch * p.heads * p.q_len * p.kv_len * p.dim;
-  if (parallel_for && pairs > 1 && work >= ATTENTION_PARALLEL_MIN_WORK) {
-    parallel_for(pairs, [](void *context, int i) {
+  if (pf && pairs > 1 && work >= ATTENTION_PARALLEL_MIN_WORK) {
+    pf(pairs, [](void *context, int i) {
       const Plan &plan = *static_cast<const Plan *>(context);
       attend_pair(plan, i / plan.p->kv_heads, i % plan.p->kv_heads);
     }, const_cast<Plan *>(&plan));

@@ -23,7 +23,6 @@
  * values are finite). In-process, SmolLM2, 8 streams sending 64-token requests back to back
  * (rows of different lengths), alternating builds: 184.4-190.3 against 177.7-188.6 tok/s.
  */
-#include <dlfcn.h>
 
 #include <cmath>
 #include <functional>

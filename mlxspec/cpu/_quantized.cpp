@@ -32,7 +32,6 @@
  * kernel's own w, in x's chunk order, on the pool's threads) and multiplies each tile with
  * cblas_sgemm (OpenBLAS through the shim).
  */
-#include <dlfcn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -55,10 +54,6 @@
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
-
-extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
-                            const float *a, int lda, const float *b, int ldb, float beta, float *c,
-                            int ldc);
 
 namespace {
 
@@ -459,12 +454,6 @@ constexpr int NR8 = 4;
 void prepare_xq(const float *, const int64_t *, int64_t, Job &, int8_t *, float *, float *) {}
 void task_q8(void *, int) {}
 #endif
-
-using ParallelFor = void (*)(int, void (*)(void *, int), void *);
-ParallelFor parallel_for() {
-  static auto fn = reinterpret_cast<ParallelFor>(dlsym(RTLD_DEFAULT, "mlxspec_blas_parallel_for"));
-  return fn;
-}
 
 /* x (M, K) with element (m, k) at rows[m] + k * cs -> xp (M, K) in chunk order. */
 void prepare_x(const float *x, const int64_t *rows, int64_t cs, int M, int K, int bits, float *xp) {

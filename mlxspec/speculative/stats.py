@@ -15,7 +15,8 @@ class SpecStats:
         target_passes: target forwards after the prompt (speculative and plain).
         plain_passes: of which without drafts (speculation paused or nothing proposed).
         accepted_lengths: histogram; ``accepted_lengths[n]`` = passes with drafts that kept n.
-        draft_seconds / verify_seconds: time spent drafting / in target passes.
+        draft_seconds / verify_seconds: time spent drafting / in target passes (with each
+            pass's bookkeeping: the rollback, the drafter taking the accepted tokens in).
         k_total: sum of the k chosen for passes with drafts (mean k = k_total / their number).
         one_off_seconds: once per generation, the drafter syncing to the context (indexing).
         fallback: why speculation could not run at all (plain decoding was used), else None.
