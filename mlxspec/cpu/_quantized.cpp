@@ -85,6 +85,20 @@ inline __m512i widen(const uint8_t *p) {  // LANES bytes -> LANES int32
 inline V to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
 inline __m512i high4(__m512i v) { return _mm512_srli_epi32(v, 4); }
+/* At 4 bits a group's 16 possible weights fit one register: table[q] = fma(q, s, b), the very
+ * numbers the element-wise dequantization gives, and vpermps looks a lane's weight up by the low
+ * 4 bits of its index: one instruction per vector instead of an and/shift, a conversion and an
+ * fma, on a loop bound by its instruction ports (the same bits out). */
+constexpr bool LOOKUP4 = true;
+inline V lookup_table(V s, V b) {
+  const V q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(q, s, b);
+}
+inline void lookup4(const uint8_t *p, V table, V &a, V &b) {
+  const __m512i v = widen(p);                                   // LANES bytes = CHUNK nibbles
+  a = _mm512_permutexvar_ps(v, table);                          // low nibbles: bits 3..0
+  b = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);  // high nibbles
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int LANES = 8;
 constexpr int NR = 2, MR = 3;  // 6 accumulators of 16 ymm
@@ -107,6 +121,9 @@ inline __m256i widen(const uint8_t *p) {
 inline V to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 inline __m256i high4(__m256i v) { return _mm256_srli_epi32(v, 4); }
+constexpr bool LOOKUP4 = false;  // vpermps on 8 lanes indexes 8 entries, not 16
+inline V lookup_table(V s, V) { return s; }
+inline void lookup4(const uint8_t *, V, V &, V &) {}
 #else
 #error "mlxspec's quantized CPU kernel needs AVX2 and FMA"
 #endif
@@ -189,16 +206,23 @@ void tile(const Job &j, int m0, int n0, const float *sb) {
   const uint8_t *w = j.w + (size_t)n0 * row_bytes;
   const float *x = j.xp + (size_t)m0 * K;
   const int chunks = j.group / CHUNK;
+  constexpr bool lookup = BITS == 4 && LOOKUP4;
   for (int g = 0; g < j.groups; ++g, sb += 2) {
     V s[C], b[C];
     for (int c = 0; c < C; ++c) s[c] = vset1(sb[c * pairs]), b[c] = vset1(sb[c * pairs + 1]);
+    if constexpr (lookup)
+      for (int c = 0; c < C; ++c) s[c] = lookup_table(s[c], b[c]);
     for (int k = 0; k < chunks; ++k, x += CHUNK, w += CHUNK * BITS / 8) {
       V xa[R], xb[R];
       for (int r = 0; r < R; ++r) xa[r] = vload(x + r * K), xb[r] = vload(x + r * K + LANES);
       for (int c = 0; c < C; ++c) {
-        V qa, qb;
-        unpack<BITS>(w + c * row_bytes, qa, qb);
-        const V wa = vfma(qa, s[c], b[c]), wb = vfma(qb, s[c], b[c]);
+        V wa, wb;
+        if constexpr (lookup) {
+          lookup4(w + c * row_bytes, s[c], wa, wb);
+        } else {
+          unpack<BITS>(w + c * row_bytes, wa, wb);
+          wa = vfma(wa, s[c], b[c]), wb = vfma(wb, s[c], b[c]);
+        }
         for (int r = 0; r < R; ++r) {
           acc[r][c] = vfma(wa, xa[r], acc[r][c]);
           acc[r][c] = vfma(wb, xb[r], acc[r][c]);
@@ -502,12 +526,18 @@ void dequantize_rows(const Job &j, int n0, int count, float *dst) {
     float *d = dst + (size_t)n * j.K;
     for (int g = 0; g < j.groups; ++g) {
       const V s = vset1(sb[g]), b = vset1(sb[j.groups + g]);
+      const V table = lookup_table(s, b);
       for (int k = 0; k < chunks; ++k) {
         const int e = (g * chunks + k) * CHUNK;
-        V qa, qb;
-        unpack<BITS>(w + e * BITS / 8, qa, qb);
-        vstore(d + e, vfma(qa, s, b));
-        vstore(d + e + LANES, vfma(qb, s, b));
+        V wa, wb;
+        if constexpr (BITS == 4 && LOOKUP4) {
+          lookup4(w + e * BITS / 8, table, wa, wb);
+        } else {
+          unpack<BITS>(w + e * BITS / 8, wa, wb);
+          wa = vfma(wa, s, b), wb = vfma(wb, s, b);
+        }
+        vstore(d + e, wa);
+        vstore(d + e + LANES, wb);
       }
     }
   }
