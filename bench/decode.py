@@ -13,8 +13,9 @@
 
 Each row runs in a process of its own (resident memory is the process's), 2 threads, the same
 prompt token ids, greedy; rows alternate over ``--rounds`` rounds and medians are reported:
-decode tok/s (``--tokens`` tokens after the chat prompt), prefill tok/s (one forward over a
-``--prefill``-token prompt), bytes read per decoded token and the GB/s that achieves, its fraction
+decode tok/s (``--tokens`` tokens after the chat prompt), prefill tok/s (a ``--prefill``-token
+prompt over the time to its first token, through ``stream_generate``: mlx-lm's prefill, which
+skips the output head for all but the last position, as llama.cpp's row does), bytes read per decoded token and the GB/s that achieves, its fraction
 of the measured read bandwidth, and resident memory after decoding. JSON into
 ``bench/results/decode.json``; run it under the benchmark lock:
 
@@ -91,7 +92,6 @@ def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int,
     import mlx.nn as nn
     from mlxspec import cpu
     from mlxspec.benchmark import model_bytes
-    from mlxspec.cache import make_cache
     from mlxspec.generate import stream_generate
 
     model, tokenizer = mlxspec.load()
@@ -101,10 +101,9 @@ def mlxspec_row(prompt_ids: list[int], long_ids: list[int], tokens: int,
         cpu.prepare(model)
     mx.eval(model.parameters())
 
-    def prefill() -> float:
-        cache = make_cache(model)
+    def prefill() -> float:  # to the first token, as a user waits for it (and llama.cpp's row)
         tic = time.perf_counter()
-        mx.eval(model(mx.array([long_ids]), cache=cache)[:, -1])
+        next(iter(stream_generate(model, tokenizer, long_ids, max_tokens=1)))
         return time.perf_counter() - tic
 
     prefill()  # warm-up (and the JIT's kernels)

@@ -10,7 +10,8 @@
  *
  * Products of M <= MAX_KERNEL_ROWS rows (decode, verification, small batches) run here. The
  * integers q are widened to float in registers (LANES floats at a time: 16 with AVX-512, 8 with
- * AVX2), dequantized there, w = fma(q, s, b), and multiplied into one vector accumulator per
+ * AVX2), dequantized there, w = fma(q, s, b) (at 4 bits with AVX-512: looked up in a register
+ * holding the group's 16 values fma(q, s, b), the same numbers), and multiplied into one vector accumulator per
  * output, acc = fma(w, x, acc), the chunks of the row in order; the lanes are summed once at the
  * end in a fixed order. A tile of NR rows of W and MR rows of x shares each dequantized vector
  * over its MR rows of x. Every output's sequence of operations depends only on its row of x and
