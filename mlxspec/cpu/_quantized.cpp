@@ -20,11 +20,14 @@
  * low nibbles of a chunk are its even weights and the high ones its odd weights, so x is copied
  * once per call into the same order (chunks of 2 * LANES: even elements, then odd ones).
  *
- * int8 activations (AVX512-VNNI only, opt-out with MLXSPEC_CPU_QMM_ACTIVATIONS=float32): llama.cpp's
+ * int8 activations (AVX512-VNNI only, opt-in with MLXSPEC_CPU_QMM_ACTIVATIONS=int8): llama.cpp's
  * trick. Each block of 32 elements of a row of x is rounded to int8, x ~ dx * xq with
  * dx = max|x| / 127, and W's integers are multiplied into xq by vpdpbusd (64 byte products per
- * instruction): sum_k w_k x_k = sum_groups (s * dx * sum q xq) + b * sum x, the last sum over the
- * float x. Each output's operations still depend only on its rows of x and W. The rounding of x
+ * instruction): sum_k w_k x_k ~ sum_groups (s * dx * sum q xq) + b * sum dx * xq. The last sum
+ * is over the rounded x, not the exact one: then the error is sum (s q + b)(dx xq - x), whose
+ * weights s q + b are centred, where b * sum x leaves sum s q (dx xq - x), q all >= 0 (twice
+ * the error at 4 bits, measured). Each output's operations still depend only on its rows of x
+ * and W. The rounding of x
  * costs accuracy (measured in docs/linux-cpu.md); products of more than MAX_KERNEL_ROWS rows stay
  * float32 (sgemm).
  *
@@ -155,7 +158,7 @@ struct Job {
   // int8 activations (VNNI): per row of x, `blocks` blocks of 64 bytes of W; see prepare_xq
   const int8_t *xq;  // (M, blocks * 64 * 8 / bits) int8
   const float *dxv;  // (M, blocks * 16): each lane's dx
-  const float *xs;   // (M, groups): the float sum of x over each group of W
+  const float *xs;   // (M, groups): the sum of the rounded x, dx * xq, over each group of W
   int blocks;
 };
 
@@ -358,14 +361,18 @@ void prepare_xq(const float *x, const int64_t *rows, int64_t cs, Job &j, int8_t 
     float *d = dxv + (size_t)m * j.blocks * 16;
     std::memset(q, 0, per_row);
     std::memset(d, 0, sizeof(float) * j.blocks * 16);
+    float *sums = xs + (size_t)m * j.groups;
+    std::fill(sums, sums + j.groups, 0.0f);
     for (int u = 0; u < sub; ++u) {
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(row[(u * 32 + i) * cs]));
       const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       const int lanes = j.bits == 4 ? 4 : 8;  // vpdpbusd lanes of a subblock
       for (int l = 0; l < lanes; ++l) d[(u / (16 / lanes)) * 16 + (u % (16 / lanes)) * lanes + l] = dx;
+      int total = 0;
       for (int i = 0; i < 32; ++i) {
         const int v = (int)std::nearbyint(row[(u * 32 + i) * cs] * inv);
+        total += v;
         int at;
         if (j.bits == 4) {
           const int b = u / 4, t = u % 4;
@@ -375,12 +382,7 @@ void prepare_xq(const float *x, const int64_t *rows, int64_t cs, Job &j, int8_t 
         }
         q[at] = (int8_t)v;
       }
-    }
-    float *sums = xs + (size_t)m * j.groups;
-    for (int g = 0; g < j.groups; ++g) {
-      float t = 0.0f;
-      for (int i = 0; i < j.group; ++i) t += row[(g * j.group + i) * cs];
-      sums[g] = t;
+      sums[u * 32 / j.group] += dx * (float)total;
     }
   }
 }
