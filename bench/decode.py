@@ -28,7 +28,7 @@ dependency; builds llama.cpp from source, ~6-15 min):
 
 Without ``/work/llamacpp-env/bin/python`` (or ``--llama-python``) the row is skipped with a note.
 
-Accuracy, beside the speed: each mlxspec row's logits over ``ACCURACY_TOKENS`` tokens of the
+Accuracy, beside the speed: each row's logits (llama.cpp's with two threads too) over ``ACCURACY_TOKENS`` tokens of the
 long prompt, fed ``ACCURACY_CHUNK`` at a time (the path decoding and verification take), against
 the float64 model (the GGUF dequantized, every parameter and every operation in float64): the
 largest error over the logits' spread, and how often the argmax is the float64 model's.
@@ -202,7 +202,7 @@ args = json.loads(sys.argv[1])
 # with its extra weight buffers (AMX/repacked, on by default on this CPU; one token at a time
 # works). Decoding therefore runs the default build fed one token a time (n_batch 1: the prompt
 # too); prefill runs a second instance without the extra buffers (use_extra_bufts off).
-def model(extra_buffers, n_batch):
+def model(extra_buffers, n_batch, logits_all=False):
     default = C.llama_model_default_params
     def params():
         p = default()
@@ -211,7 +211,8 @@ def model(extra_buffers, n_batch):
     C.llama_model_default_params = params
     try:
         return Llama(args["model"], n_ctx=2048, n_threads=args["threads"],
-                     n_threads_batch=args["threads"], n_batch=n_batch, verbose=False)
+                     n_threads_batch=args["threads"], n_batch=n_batch, logits_all=logits_all,
+                     verbose=False)
     finally:
         C.llama_model_default_params = default
 def first_token(llm, ids):  # greedy (temp 0) through Llama.generate: it sets the sampler
@@ -225,6 +226,13 @@ def prefill():
 prefill()
 prefill_s = min(prefill() for _ in range(3))
 del llm
+if args["accuracy_chunk"]:  # the mlxspec rows' accuracy input: teacher-forced, chunk by chunk
+    import numpy as np
+    llm = model(False, args["accuracy_chunk"], logits_all=True)
+    ids = args["long"][:args["accuracy_tokens"]]
+    llm.eval(ids)
+    np.save(args["accuracy_file"], np.array(llm.scores[:len(ids)], dtype=np.float64))
+    del llm
 llm = model(True, 1)
 def decode(n):
     stream, out = first_token(llm, args["prompt"]), []
@@ -260,7 +268,9 @@ def run_row(name: str, args, prompt_ids: list[int], long_ids: list[int], model: 
     payload = {"prompt": prompt_ids, "long": long_ids, "tokens": args.tokens,
                "accuracy_file": accuracy_file}
     if name.startswith("llama.cpp"):
-        payload.update(model=str(model), threads=LLAMA_ROWS[name])
+        payload.update(model=str(model), threads=LLAMA_ROWS[name],
+                       accuracy_tokens=ACCURACY_TOKENS,
+                       accuracy_chunk=ACCURACY_CHUNK if LLAMA_ROWS[name] == THREADS else 0)
         command = [str(args.llama_python), "-c", LLAMA_ROW, json.dumps(payload)]
         env = child_env({})
     else:
