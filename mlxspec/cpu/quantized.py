@@ -69,7 +69,8 @@ def _extra_flags() -> tuple[str, ...]:
 def int8_activations() -> bool:
     """Whether products of up to 24 rows round x to int8 per block of 32 and use VNNI dot
     products, as llama.cpp does (``MLXSPEC_CPU_QMM_ACTIVATIONS=int8``, where the CPU has VNNI;
-    the default ``float32`` keeps x as it is): faster, less exact (``docs/linux-cpu.md``)."""
+    the default ``float32`` keeps x as it is): faster, as exact as llama.cpp and less than the
+    default (``docs/linux-cpu.md``)."""
     module = _state.get("module")
     return module is not None and bool(module.int8_activations) and _product_switches()[1]
 
@@ -136,7 +137,7 @@ def describe() -> str:
     if enabled():
         module = _state["module"]
         acts = ("int8 activations (VNNI)" if int8_activations() else
-                f"float32 activations ({ACTIVATIONS}=int8: VNNI, faster, less exact)"
+                f"float32 activations ({ACTIVATIONS}=int8: VNNI, faster, llama.cpp's accuracy)"
                 if module.int8_activations else "float32 activations")
         return (f"packed 4/8-bit products ({SOURCE.name}, {module.isa}): up to "
                 f"{module.max_kernel_rows} rows in registers with {acts}, more as dequantized "
