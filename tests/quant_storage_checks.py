@@ -21,7 +21,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
@@ -36,23 +35,31 @@ PROMPT = "Paris"  # short: MLX's CPU half-precision quantized matmul takes ~7 s 
 
 def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
     """Quantize ``source`` (4 bits, g64) in ``dtype``; save it; return the in-memory layers'
-    ``s * (q - z)`` per path (float64 numpy) and the record."""
+    packed integers, zero points and scales per path (``s * (q - z)`` is formed by the check)."""
     model, tokenizer = load(str(source))
     calibration, _ = calibration_windows(tokenizer, windows=4, window_tokens=64)
     # grid=1: min-max rounding after the calibrated step (the clip search only costs time here)
     _, record = quantize_model(model, bits=4, group_size=64, method=method, dtype=dtype, grid=1,
                                calibration_tokens=calibration, group_fallback=True)
-    reference = {}
-    for path, layer in layers.zero_point_modules(model).items():
-        q = zp_format.unpack(np.array(layer.weight), layer.bits, layer.in_features).astype(np.int64)
-        z = zp_format.unpack(np.array(layer.zeros), layer.bits, layer.in_features // layer.group_size)
-        s = np.array(layer.scales.astype(mx.float32), np.float64)
-        g = layer.group_size
-        reference[path] = np.repeat(s, g, 1) * (q - np.repeat(z.astype(np.int64), g, 1))
+    reference = {path: (layer.weight, layer.zeros, layer.scales, layer.bits, layer.in_features,
+                        layer.group_size)
+                 for path, layer in layers.zero_point_modules(model).items()}
     save_quantized(model, out, config=read_config(source), quantization=record,
                    source_dir=source)
     return {"dir": out, "dtype": getattr(mx, dtype), "reference": reference, "source": source,
             "dtype_name": dtype}
+
+
+def s_times_q_minus_z(weight, zeros, scales, bits: int, cols: int, group_size: int) -> mx.array:
+    """The layer's weights (N, cols) float32 from its packed integers q, zero points z and scales
+    s. Exact in float32: a half-precision s (at most 11 significant bits) times an integer
+    |q - z| < 2**bits needs at most 19, so these are the float64 products."""
+    assert scales.dtype in (mx.float16, mx.bfloat16)
+    q = zp_format.unpack(weight, bits, cols).astype(mx.float32)
+    z = zp_format.unpack(zeros, bits, cols // group_size).astype(mx.float32)
+    n = q.shape[0]
+    groups = q.reshape(n, -1, group_size) - z[:, :, None]
+    return (scales.astype(mx.float32)[:, :, None] * groups).reshape(n, cols)
 
 
 def check_mlx_lm_dequantizes_every_weight_to_s_times_q_minus_z(saved: dict) -> None:
@@ -63,7 +70,7 @@ def check_mlx_lm_dequantizes_every_weight_to_s_times_q_minus_z(saved: dict) -> N
     for path, m in affine.items():
         assert m.scales.dtype == m.biases.dtype == saved["dtype"], path
         got = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-        want = mx.array(saved["reference"][path].astype(np.float32)).astype(saved["dtype"])
+        want = s_times_q_minus_z(*saved["reference"][path]).astype(saved["dtype"])
         assert mx.array_equal(got, want).item(), path
     config = json.loads((saved["dir"] / "config.json").read_text())
     assert mlx_lm_loadable(config)[0] and config["quantization"]["format"] == "mlx"
