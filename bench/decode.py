@@ -15,8 +15,9 @@ Each row runs in a process of its own (resident memory is the process's), 2 thre
 prompt token ids, greedy; rows alternate over ``--rounds`` rounds and medians are reported:
 decode tok/s (``--tokens`` tokens after the chat prompt), prefill tok/s (a ``--prefill``-token
 prompt over the time to its first token, through ``stream_generate``: mlx-lm's prefill, which
-skips the output head for all but the last position, as llama.cpp's row does), bytes read per decoded token and the GB/s that achieves, its fraction
-of the measured read bandwidth, and resident memory after decoding. JSON into
+skips the output head for all but the last position, as llama.cpp's row does), bytes read per
+decoded token and the GB/s that achieves, its fraction of the measured read bandwidth, and
+resident memory after decoding. JSON into
 ``bench/results/decode.json``; run it under the benchmark lock:
 
     flock /tmp/mlxspec-bench.lock python bench/decode.py [--rounds 3] [--tokens 64]
@@ -28,10 +29,11 @@ dependency; builds llama.cpp from source, ~6-15 min):
 
 Without ``/work/llamacpp-env/bin/python`` (or ``--llama-python``) the row is skipped with a note.
 
-Accuracy, beside the speed: each row's logits (llama.cpp's with two threads too) over ``ACCURACY_TOKENS`` tokens of the
-long prompt, fed ``ACCURACY_CHUNK`` at a time (the path decoding and verification take), against
-the float64 model (the GGUF dequantized, every parameter and every operation in float64): the
-largest error over the logits' spread, and how often the argmax is the float64 model's.
+Accuracy, beside the speed: each row's logits (llama.cpp's with two threads too) over
+``ACCURACY_TOKENS`` tokens of the long prompt, fed ``ACCURACY_CHUNK`` at a time (the path decoding
+and verification take), against the float64 model (the GGUF dequantized, every parameter and every
+operation in float64): the largest error over the logits' spread, and how often the argmax is the
+float64 model's.
 
 Where a step's time goes (``step_profile``, mlxspec rows): one synchronous decode step, the
 linear layers' products on one row, the output head, and the rest (``docs/linux-cpu.md``).

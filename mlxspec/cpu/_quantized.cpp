@@ -11,14 +11,15 @@
  * Products of M <= MAX_KERNEL_ROWS rows (decode, verification, small batches) run here. The
  * integers q are widened to float in registers (LANES floats at a time: 16 with AVX-512, 8 with
  * AVX2), dequantized there, w = fma(q, s, b) (at 4 bits with AVX-512: looked up in a register
- * holding the group's 16 values fma(q, s, b), the same numbers), and multiplied into one vector accumulator per
- * output, acc = fma(w, x, acc), the chunks of the row in order; the lanes are summed once at the
- * end in a fixed order. A tile of NR rows of W and MR rows of x shares each dequantized vector
- * over its MR rows of x. Every output's sequence of operations depends only on its row of x and
- * of W, never on M, on the tile it was computed in, or on the threads: a product of 21 rows gives
- * each row the bits it gets alone (mlxspec/serving/fused_prefill.py relies on it). At 4 bits the
- * low nibbles of a chunk are its even weights and the high ones its odd weights, so x is copied
- * once per call into the same order (chunks of 2 * LANES: even elements, then odd ones).
+ * holding the group's 16 values fma(q, s, b), the same numbers), and multiplied into one vector
+ * accumulator per output, acc = fma(w, x, acc), the chunks of the row in order; the lanes are
+ * summed once at the end in a fixed order. A tile of NR rows of W and MR rows of x shares each
+ * dequantized vector over its MR rows of x. Every output's sequence of operations depends only on
+ * its row of x and of W, never on M, on the tile it was computed in, or on the threads: a product
+ * of 21 rows gives each row the bits it gets alone (mlxspec/serving/fused_prefill.py relies on
+ * it). At 4 bits the low nibbles of a chunk are its even weights and the high ones its odd
+ * weights, so x is copied once per call into the same order (chunks of 2 * LANES: even elements,
+ * then odd ones).
  *
  * int8 activations (AVX512-VNNI only, opt-in with MLXSPEC_CPU_QMM_ACTIVATIONS=int8): llama.cpp's
  * trick. Each block of 32 elements of a row of x is rounded to int8, x ~ dx * xq with
@@ -27,9 +28,8 @@
  * is over the rounded x, not the exact one: then the error is sum (s q + b)(dx xq - x), whose
  * weights s q + b are centred, where b * sum x leaves sum s q (dx xq - x), q all >= 0 (twice
  * the error at 4 bits, measured). Each output's operations still depend only on its rows of x
- * and W. The rounding of x
- * costs accuracy (measured in docs/linux-cpu.md); products of more than MAX_KERNEL_ROWS rows stay
- * float32 (sgemm).
+ * and W. The rounding of x costs accuracy (measured in docs/linux-cpu.md); products of more than
+ * MAX_KERNEL_ROWS rows stay float32 (sgemm).
  *
  * Threads: output rows in chunks on the BLAS shim's pool (mlxspec_blas_parallel_for), each chunk
  * computed whole by one thread. Larger M (prefill) dequantizes W a tile of rows at a time (the
@@ -175,6 +175,18 @@ inline void unpack(const uint8_t *p, V &a, V &b) {
   }
 }
 
+/* The CHUNK weights at `p` dequantized, w = fma(q, s, b), as two vectors in xp's order; at 4 bits
+ * with AVX-512 looked up in `table` (lookup_table(s, b), once per group; unused otherwise). */
+template <int BITS>
+inline void dequantize(const uint8_t *p, V s, V b, V table, V &wa, V &wb) {
+  if constexpr (BITS == 4 && LOOKUP4) {
+    lookup4(p, table, wa, wb);
+  } else {
+    unpack<BITS>(p, wa, wb);
+    wa = vfma(wa, s, b), wb = vfma(wb, s, b);
+  }
+}
+
 /* count scales (or biases) from element `at` on as float32 into dst: exact conversions. */
 void to_floats(const void *src, int type, size_t at, int count, float *dst) {
   int i = 0;
@@ -210,23 +222,18 @@ void tile(const Job &j, int m0, int n0, const float *sb) {
   const uint8_t *w = j.w + (size_t)n0 * row_bytes;
   const float *x = j.xp + (size_t)m0 * K;
   const int chunks = j.group / CHUNK;
-  constexpr bool lookup = BITS == 4 && LOOKUP4;
   for (int g = 0; g < j.groups; ++g, sb += 2) {
-    V s[C], b[C];
-    for (int c = 0; c < C; ++c) s[c] = vset1(sb[c * pairs]), b[c] = vset1(sb[c * pairs + 1]);
-    if constexpr (lookup)
-      for (int c = 0; c < C; ++c) s[c] = lookup_table(s[c], b[c]);
+    V s[C], b[C], table[C];
+    for (int c = 0; c < C; ++c) {
+      s[c] = vset1(sb[c * pairs]), b[c] = vset1(sb[c * pairs + 1]);
+      table[c] = lookup_table(s[c], b[c]);
+    }
     for (int k = 0; k < chunks; ++k, x += CHUNK, w += CHUNK * BITS / 8) {
       V xa[R], xb[R];
       for (int r = 0; r < R; ++r) xa[r] = vload(x + r * K), xb[r] = vload(x + r * K + LANES);
       for (int c = 0; c < C; ++c) {
         V wa, wb;
-        if constexpr (lookup) {
-          lookup4(w + c * row_bytes, s[c], wa, wb);
-        } else {
-          unpack<BITS>(w + c * row_bytes, wa, wb);
-          wa = vfma(wa, s[c], b[c]), wb = vfma(wb, s[c], b[c]);
-        }
+        dequantize<BITS>(w + c * row_bytes, s[c], b[c], table[c], wa, wb);
         for (int r = 0; r < R; ++r) {
           acc[r][c] = vfma(wa, xa[r], acc[r][c]);
           acc[r][c] = vfma(wb, xb[r], acc[r][c]);
@@ -533,12 +540,7 @@ void dequantize_rows(const Job &j, int n0, int count, float *dst) {
       for (int k = 0; k < chunks; ++k) {
         const int e = (g * chunks + k) * CHUNK;
         V wa, wb;
-        if constexpr (BITS == 4 && LOOKUP4) {
-          lookup4(w + e * BITS / 8, table, wa, wb);
-        } else {
-          unpack<BITS>(w + e * BITS / 8, wa, wb);
-          wa = vfma(wa, s, b), wb = vfma(wb, s, b);
-        }
+        dequantize<BITS>(w + e * BITS / 8, s, b, table, wa, wb);
         vstore(d + e, wa);
         vstore(d + e + LANES, wb);
       }

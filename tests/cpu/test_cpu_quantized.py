@@ -59,7 +59,7 @@ def assert_close_to_float64(got: mx.array, x: np.ndarray, numpy_layer, group_siz
         amax = np.abs(blocks).max(-1, keepdims=True)
         inv = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
         dx = (amax / np.float32(127)).astype(np.float64)
-        x = (dx * np.rint(blocks * inv.astype(np.float32)).astype(np.float64)).reshape(x.shape)
+        x = (dx * np.rint(blocks * inv).astype(np.float64)).reshape(x.shape)
         slack = 8
     want = quantized.reference(x, weight, scales, biases, group_size, bits)
     magnitude = quantized.reference(np.abs(x), weight, np.abs(scales), np.abs(biases),
