@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
@@ -33,10 +32,11 @@ from mlxspec.quant.storage import mlx_lm_loadable, save_quantized
 PROMPT = "Paris"  # short: MLX's CPU half-precision quantized matmul takes ~7 s a SmolLM2 row
 
 
-def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
+def quantize_and_save(source: Path, out: Path, method: str, dtype: str, tokenizer) -> dict:
     """Quantize ``source`` (4 bits, g64) in ``dtype``; save it; return the in-memory layers'
-    packed integers, zero points and scales per path (``s * (q - z)`` is formed by the check)."""
-    model, tokenizer = load(str(source))
+    packed integers, zero points and scales per path (``s * (q - z)`` is formed by the check).
+    ``tokenizer``: the source's (a session fixture's: Gemma-3's takes ~5 s to load)."""
+    model, _ = build_model(source)
     calibration, _ = calibration_windows(tokenizer, windows=4, window_tokens=64)
     # grid=1: min-max rounding after the calibrated step (the clip search only costs time here)
     _, record = quantize_model(model, bits=4, group_size=64, method=method, dtype=dtype, grid=1,
@@ -47,7 +47,7 @@ def quantize_and_save(source: Path, out: Path, method: str, dtype: str) -> dict:
     save_quantized(model, out, config=read_config(source), quantization=record,
                    source_dir=source)
     return {"dir": out, "dtype": getattr(mx, dtype), "reference": reference, "source": source,
-            "dtype_name": dtype}
+            "dtype_name": dtype, "prompt": tokenizer.encode(PROMPT)}
 
 
 def s_times_q_minus_z(weight, zeros, scales, bits: int, cols: int, group_size: int) -> mx.array:
@@ -86,8 +86,8 @@ def check_mlx_lm_computes_mlxspec_logits_bit_for_bit(saved: dict, monkeypatch) -
 
     from mlxspec.cache import make_cache
 
-    model, tokenizer = mlx_lm.load(str(saved["dir"]))
-    ids = mx.array(tokenizer.encode(PROMPT))[None]
+    model, _ = load_model(saved["dir"])  # mlx_lm.load's model, without its tokenizer
+    ids = mx.array(saved["prompt"])[None]
     cache = make_prompt_cache(model)
     theirs = model(ids, cache=cache)
     mx.eval(theirs)

@@ -215,7 +215,7 @@ def smollm2_loaded(smollm2_converted):
 
 @pytest.fixture(scope="class")
 def smollm2_reader():
-    return GGUFReader(SMOLLM2_GGUF)
+    return ref.read_gguf(SMOLLM2_GGUF)
 
 
 class TestSmolLM2:
@@ -280,7 +280,7 @@ def gemma3_loaded(gemma3_converted):
 
 @pytest.fixture(scope="class")
 def gemma3_reader(gemma3_gguf):
-    return GGUFReader(gemma3_gguf)
+    return ref.read_gguf(gemma3_gguf)
 
 
 class TestGemma3:
@@ -358,7 +358,7 @@ def test_every_tensor_type_converts_to_reference_logits(tmp_path, monkeypatch, m
     model, tokenizer = load(str(convert_gguf(gguf_path, tmp_path / "tiny", progress=False)))
     tokens = tokenizer.encode("hello there, hello!")
     assert tokenizer.convert_tokens_to_ids("he") in tokens
-    expected = ref.llama_logits(ref.GGUFModel(GGUFReader(gguf_path)), tokens)
+    expected = ref.llama_logits(ref.GGUFModel(ref.read_gguf(gguf_path)), tokens)
     assert_logits_close(logits_of(model, tokens), expected, rel=1e-5)
     assert (
         json.loads((tmp_path / "tiny" / "config.json").read_text())["tie_word_embeddings"] is False

@@ -214,12 +214,11 @@ def pack_rows_bitstream(values: np.ndarray, bits: int) -> np.ndarray:
     """Pack along axis 0 the way AutoGPTQ's pack() does: per column, a little-endian bit
     stream in which bit ``b`` of row ``i`` is stream bit ``i * bits + b`` (written bit by bit,
     independently of mlxspec.quant.zp_format)."""
-    rows, cols = values.shape
-    out = np.zeros((-(-rows * bits // 32), cols), np.uint64)
-    for b in range(bits):
-        position = np.arange(rows) * bits + b
-        bit = (values.astype(np.uint64) >> np.uint64(b)) & np.uint64(1)
-        np.add.at(out, position // 32, bit << (position % 32).astype(np.uint64)[:, None])
+    cols = values.shape[1]
+    shifts = np.arange(bits, dtype=np.uint64)[None, :, None]
+    stream = ((values.astype(np.uint64)[:, None, :] >> shifts) & np.uint64(1)).reshape(-1, cols)
+    stream = np.pad(stream, ((0, -len(stream) % 32), (0, 0))).reshape(-1, 32, cols)
+    out = (stream << np.arange(32, dtype=np.uint64)[None, :, None]).sum(axis=1)
     return out.astype(np.uint32).view(np.int32)
 
 

@@ -15,9 +15,9 @@ from quant_storage_checks import (
 
 
 @pytest.fixture(scope="module")
-def saved(smollm2_dir, tmp_path_factory):
+def saved(smollm2_dir, smollm2, tmp_path_factory):
     return quantize_and_save(smollm2_dir, tmp_path_factory.mktemp("q") / "smollm2-gptq", "gptq",
-                             "float16")
+                             "float16", smollm2[1])
 
 
 @pytest.mark.slow

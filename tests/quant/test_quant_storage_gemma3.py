@@ -19,7 +19,7 @@ from mlxspec.quant import awq
 
 
 @pytest.fixture(scope="module")
-def saved(gemma3_gguf, tmp_path_factory):
+def saved(gemma3_gguf, gemma3, tmp_path_factory):
     # AWQ's exponent searched on 2 points (0 and 0.5) instead of 20: these checks are about the
     # stored format, and the coarse search still beats round-to-nearest by far (KL 0.60 against
     # 1.05 on the held-out window, where the check asks for 0.9x).
@@ -27,7 +27,8 @@ def saved(gemma3_gguf, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch, dense_conversion():
         patch.setattr(awq, "ALPHAS", awq.ALPHAS[::10])
         return quantize_and_save(resolve_model_path(str(gemma3_gguf)),
-                                 tmp_path_factory.mktemp("q") / "gemma3-awq", "awq", "bfloat16")
+                                 tmp_path_factory.mktemp("q") / "gemma3-awq", "awq", "bfloat16",
+                                 gemma3[1])
 
 
 @pytest.mark.slow
