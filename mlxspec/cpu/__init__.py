@@ -6,6 +6,7 @@ a single output bit (each module's docstring says how; ``docs/linux-cpu.md`` has
 every switch):
 
     allocator    the ``mlxspec`` command re-executes itself once on mimalloc
+    build        compiling and loading the C++ extensions below (once per machine)
     blas         MLX's cblas calls forwarded to OpenBLAS, small products to the shim's kernel
     jit          MLX's JIT kernels built for this CPU (AVX2/FMA/F16C flags)
     fused_ops    RoPE and RMSNorm as compiled kernels

@@ -3,7 +3,7 @@
  * _ops.cpp (one op each) and the whole decode layer of _quantized.cpp (_layer.h): attention as
  * MLX's composed fallback computes it (the same BLAS calls, MLX's softmax), RoPE's rotation from
  * its tables, and RMSNorm. Everything here is internal to the module including it (an anonymous
- * namespace); the build key of mlxspec/cpu/ops.py covers the files a source includes.
+ * namespace); the build key of mlxspec/cpu/build.py covers the files a source includes.
  */
 #pragma once
 

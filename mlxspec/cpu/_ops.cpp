@@ -3,7 +3,7 @@
  * CPU path (the composed fallback of mx.fast.scaled_dot_product_attention), from one op instead
  * of a dozen; mlxspec.serving.rows.greedy_candidates as one op; and RoPE's rotation from its
  * tables (CpuRope), RMSNorm (CpuRmsNorm), exp and last-axis logsumexp (CpuRows) as one op each.
- * mlxspec/cpu/ops.py builds and loads them.
+ * mlxspec/cpu/build.py builds them and mlxspec/cpu/ops.py loads them.
  *
  * Where MLX has no attention kernel (every CPU build) it composes the attention from ops: q scaled,
  * one BLAS product per (row, query head) for q k^T, the mask, a softmax, one product per

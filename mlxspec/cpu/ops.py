@@ -25,47 +25,31 @@ reached through ``mlxspec.cpu.exp``. All outputs are bitwise MLX's
 ``test_cpu_exp.py``; each is checked again each time the module loads, else nothing is used).
 Measured in ``bench/cpu_ops.py`` (``bench/results/cpu_ops.json``).
 
-``enable()`` builds the module once per MLX/nanobind/Python version into
-``$MLXSPEC_HOME/cpu_ops/`` (``g++`` against the headers MLX's wheel ships and nanobind's sources,
-~10 s), loads it and puts a dispatcher in ``mx.fast``'s place: float32 inputs with no sinks and
-no explicit stream take the primitive, everything else MLX's own function. ``mlxspec.load``
-enables it. Process-wide, like :mod:`mlxspec.cpu.fused_ops`; ``MLXSPEC_CPU_OPS=0`` keeps MLX's own;
-where Metal is available nothing changes (MLX has real kernels there). Gradients through the
+``enable()`` builds the module once per MLX/nanobind/Python version (:mod:`mlxspec.cpu.build`),
+loads it and puts a dispatcher in ``mx.fast``'s place: float32 inputs with no sinks and no
+explicit stream take the primitive, everything else MLX's own function. ``mlxspec.load`` enables
+it. Process-wide, like :mod:`mlxspec.cpu.fused_ops`; ``MLXSPEC_CPU_OPS=0`` keeps MLX's own; where
+Metal is available nothing changes (MLX has real kernels there). Gradients through the
 attention go through MLX's own composition.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import platform
-import re
-import shlex
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import mlx.core as mx
 
-from mlxspec import paths
-from mlxspec.cpu import jit as cpu_jit
+from mlxspec.cpu import build
 from mlxspec.switches import turned_off
 
 SOURCE = Path(__file__).with_name("_ops.cpp")
 MODULE_NAME = "_mlxspec_cpu_ops"  # NB_MODULE's name in SOURCE
 SWITCH = "MLXSPEC_CPU_OPS"
+EXTENSION = build.Extension(SOURCE, MODULE_NAME, wanted=lambda: not turned_off(SWITCH))
 
 _state: dict[str, object] = {}  # "module", "reference" (MLX's function) while enabled; "why" if not
-
-
-class _Unavailable(Exception):
-    """Why the primitive cannot be built or used here (reported by ``describe``)."""
 
 
 def enable() -> bool:
@@ -80,9 +64,9 @@ def enable() -> bool:
     if turned_off(SWITCH) or mx.metal.is_available():
         return False
     try:
-        module = _load(library())
+        module = build.load(build.library(EXTENSION), MODULE_NAME)
         _check(module)
-    except _Unavailable as e:
+    except build.Unavailable as e:
         _state["why"] = str(e)
         return False
     _state.update(module=module, reference=mx.fast.scaled_dot_product_attention,
@@ -222,124 +206,6 @@ def _supported(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> 
     return all(m in (1, t) for m, t in zip(shape, target, strict=True))
 
 
-# -- building and loading -------------------------------------------------------------------------
-
-
-def _nanobind() -> ModuleType:
-    try:
-        import nanobind
-    except ImportError as e:
-        raise _Unavailable("nanobind is not installed (pip install 'nanobind>=3.1,<3.2')") from e
-    return nanobind
-
-
-def _flags() -> list[str]:
-    """-ffp-contract=off always (fusing what MLX's build does not fuse would change bits); the JIT
-    flags of :mod:`mlxspec.cpu.jit` where the CPU has AVX2 and FMA (they change no result)."""
-    flags = ["-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-DNDEBUG",
-             "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx", "-ffp-contract=off",
-             "-fno-strict-aliasing"]
-    if cpu_jit._cpu_supported():
-        flags += [f for f in cpu_jit.FLAGS if f not in flags]
-    return flags
-
-
-def _compiler() -> list[str]:
-    """``$CXX``, else the first ``g++`` on ``PATH`` that is not :mod:`mlxspec.cpu.jit`'s wrapper
-    (one per cache directory, inherited by child processes: the cache key must not depend on
-    which one a process sees)."""
-    if os.environ.get("CXX", "").strip():
-        return shlex.split(os.environ["CXX"])
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        candidate = shutil.which("g++", path=directory) if directory else None
-        if candidate is None:
-            continue
-        try:
-            head = Path(candidate).read_bytes()[:200]
-        except OSError:
-            continue
-        if b"mlxspec/cpu/jit.py" not in head:
-            return [candidate]
-    return ["g++"]
-
-
-def _source_texts(source: Path) -> list[str]:
-    """The source's text and that of every header of this directory it includes (``#include
-    "_name.h"``, recursively): what the build key must cover."""
-    texts, pending, seen = [], [source], set()
-    while pending:
-        path = pending.pop(0)
-        if path in seen:
-            continue
-        seen.add(path)
-        text = path.read_text()
-        texts.append(text)
-        pending += [source.with_name(name) for name in re.findall(r'^#include "(_\w+\.h)"', text, re.M)]
-    return texts
-
-
-def library(source: Path = SOURCE, module_name: str = MODULE_NAME,
-            extra_flags: tuple[str, ...] = ()) -> Path:
-    """The built module, compiled on first use into ``$MLXSPEC_HOME/cpu_ops/``.
-
-    The cache key covers the source, MLX's and nanobind's versions, the Python ABI, the machine
-    and the flags. Built under a lock and a temporary name, so concurrent first uses build once.
-    ``source``/``module_name``/``extra_flags``: another module of this package built the same way
-    (:mod:`mlxspec.cpu.quantized`).
-    """
-    nanobind = _nanobind()
-    compiler = _compiler()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    flags = [*_flags(), *extra_flags]
-    key_text = "\n".join([*_source_texts(source), mx.__version__, nanobind.__version__, suffix,
-                          platform.machine(), *flags, *compiler])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    directory = paths.home() / "cpu_ops"
-    target = directory / key / f"{module_name}{suffix}"
-    if target.is_file():
-        return target
-    mlx_root = Path(mx.__file__).resolve().parent
-    nb_root = Path(nanobind.__file__).resolve().parent
-    with paths.locked_directory(directory):
-        if target.is_file():
-            return target
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
-            os.close(fd)
-        except OSError as e:
-            raise _Unavailable(f"cannot write {directory} ({e.strerror}); set MLXSPEC_HOME to a "
-                               "writable directory") from e
-        command = [*compiler, *flags, f"-I{sysconfig.get_paths()['include']}",
-                   f"-I{nb_root / 'include'}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
-                   f"-I{mlx_root / 'include'}", str(source), str(nb_root / "src" / "nb_combined.cpp"),
-                   f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}", "-o", tmp]
-        if sys.stderr.isatty():  # a person waiting; scripts reading stderr get nothing new
-            print("mlxspec: building its CPU ops (once, ~10 s)", file=sys.stderr, flush=True)
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            os.unlink(tmp)
-            raise _Unavailable(f"no working C++ compiler ({e}); install g++ or set CXX") from e
-        if result.returncode != 0:
-            os.unlink(tmp)
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise _Unavailable(f"compiling {source.name} failed: "
-                               f"{(errors or result.stderr.splitlines() or ['no output'])[0]}")
-        os.replace(tmp, target)
-    return target
-
-
-def _load(path: Path, module_name: str = MODULE_NAME) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        raise _Unavailable(f"loading {path.name} failed ({e})") from e
-    return module
-
-
 def _check(module: ModuleType) -> None:
     """The primitive against MLX's own on a small GQA case with a bool mask and a causal one:
     bitwise, or it stays off (another MLX version, another BLAS order, another SIMD width)."""
@@ -353,26 +219,26 @@ def _check(module: ModuleType) -> None:
             expected = reference(q, k, v, scale=0.25, mask=mask_arg)
             got = module.attention(q, k, v, 0.25, array_mask, causal)
             if not mx.array_equal(expected, got).item():
-                raise _Unavailable("its output differs from MLX's own here")
+                raise build.Unavailable("its output differs from MLX's own here")
         rows = mx.concatenate([30 * mx.random.normal((3, 1000), key=keys[1]),
                                mx.array([[-mx.inf] * 999 + [0.0]])])
         for ours, theirs in ((module.logsumexp(rows), mx.logsumexp(rows, -1, keepdims=True)),
                              (module.exp(rows), mx.exp(rows))):
             if not mx.array_equal(ours, theirs, equal_nan=True).item():
-                raise _Unavailable("its exp differs from MLX's own here")
+                raise build.Unavailable("its exp differs from MLX's own here")
         h, w = mx.random.normal((3, 2, 576), key=keys[2]), mx.random.normal((576,), key=keys[1])
         for rows in (h, h.transpose(1, 0, 2)):
             expected = mx.fast.rms_norm(rows, w, 1e-5)
             if not mx.array_equal(module.rms_norm(rows, w, 1e-5), expected).item():
-                raise _Unavailable("its RMSNorm differs from MLX's own here")
+                raise build.Unavailable("its RMSNorm differs from MLX's own here")
         x = mx.random.normal((2, 3, 5, 16), key=keys[0]).transpose(0, 2, 1, 3)  # (2, 5, 3, 16)
         for traditional in (False, True):
             cos, sin = (mx.random.normal((3, 6), key=key) for key in keys[1:])
             got = module.rope(x, cos, sin, 12, traditional)
             if not mx.array_equal(got, rotation(x, cos, sin, 12, traditional)).item():
-                raise _Unavailable("its RoPE differs from MLX's ops here")
+                raise build.Unavailable("its RoPE differs from MLX's ops here")
     except (TypeError, RuntimeError, ValueError) as e:  # e.g. another nanobind ABI than MLX's
-        raise _Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
+        raise build.Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
 
 
 

@@ -18,7 +18,7 @@ parameters, the same ``isinstance``), from ``mlxspec.cpu.prepare``. Models loade
 plain mlx-lm are untouched: ``mx.quantized_matmul`` itself is not replaced.
 
 Built once per MLX/nanobind/Python version and ISA into ``$MLXSPEC_HOME/cpu_ops/``
-(:func:`mlxspec.cpu.ops.library`) and checked against a float64 product when it loads.
+(:func:`mlxspec.cpu.build.library`) and checked against a float64 product when it loads.
 ``MLXSPEC_CPU_QMM=0`` keeps MLX's own products (and float32 copies where mlxspec made them),
 ``MLXSPEC_CPU_QMM=avx2`` builds the AVX2 kernel on an AVX-512 CPU (benchmarks). Only where Metal
 is unavailable, on a Linux x86-64 CPU with AVX2, FMA and F16C.
@@ -41,8 +41,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.nn.layers.distributed import sum_gradients
 
+from mlxspec.cpu import build
 from mlxspec.cpu import jit as cpu_jit
-from mlxspec.cpu import ops
 from mlxspec.switches import turned_off
 
 SOURCE = Path(__file__).with_name("_quantized.cpp")
@@ -64,6 +64,10 @@ def _extra_flags() -> tuple[str, ...]:
         return ()
     vnni = ("-mavx512vnni",) if "avx512_vnni" in flags else ()
     return (*(f"-m{f}" for f in AVX512), *vnni)
+
+
+EXTENSION = build.Extension(SOURCE, MODULE_NAME, _extra_flags,
+                            wanted=lambda: not turned_off(SWITCH) and cpu_jit._cpu_supported())
 
 
 def int8_activations() -> bool:
@@ -114,10 +118,10 @@ def enable() -> bool:
             return "module" in _state
         try:
             if not cpu_jit._cpu_supported():
-                raise ops._Unavailable("needs a Linux x86-64 CPU with AVX2, FMA and F16C")
-            module = ops._load(ops.library(SOURCE, MODULE_NAME, _extra_flags()), MODULE_NAME)
+                raise build.Unavailable("needs a Linux x86-64 CPU with AVX2, FMA and F16C")
+            module = build.load(build.library(EXTENSION), MODULE_NAME)
             _check(module)
-        except ops._Unavailable as e:
+        except build.Unavailable as e:
             _state["why"] = str(e)
             return False
         _state["module"] = module
@@ -348,8 +352,8 @@ def _check(module: ModuleType) -> None:
             try:
                 got = np.array(module.quantized_matmul(mx.array(x), w, s, b, 32, bits, int8))
             except (TypeError, RuntimeError, ValueError) as e:
-                raise ops._Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
+                raise build.Unavailable(f"calling it failed ({str(e).splitlines()[0]})") from e
             # int8 activations: x moves by up to 1/254 of its block's largest element
             slack = 1e-2 * magnitude if int8 and rows <= module.max_kernel_rows else 0.0
             if not np.all(np.abs(got - expected) <= 1e-4 * np.abs(expected) + 1e-3 + slack):
-                raise ops._Unavailable("its output differs from a float64 product here")
+                raise build.Unavailable("its output differs from a float64 product here")
