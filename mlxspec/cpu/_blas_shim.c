@@ -456,12 +456,17 @@ void mlxspec_blas_set_isa(const char *isa) {
  * stream's and mlx-lm's generation stream's): once both have teams, libgomp counts more threads
  * than cores and stops spinning, and every product pays for waking its team (decode at sgemm's
  * speed). One pool serves every caller here, one product at a time (a caller finding it
- * busy computes alone). Its workers spin for the next product only for a few microseconds (the
- * projections of one layer follow each other that closely), then sleep on a condition variable:
- * a worker spinning through the ~0.1-0.3 ms between products holds a core that MLX's evaluation
- * thread and Python's graph building need (2 cores, 3 busy threads). AMD EPYC, 2 vCPUs, the
- * engine in-process, runs alternating (no result file): spinning up to 1 ms, 8 streams 88.6
- * tok/s and one 18.4; up to 10 us, 105.5 and 21.6; not at all, 106.3 and 21.2.
+ * busy computes alone). Its workers spin for the next product up to 50 us
+ * (MLXSPEC_POOL_SPIN_US), then sleep on a condition variable. With a layer's products in a few
+ * fused ops a step, the gaps between one step's products (attention, norms, cache writes) are
+ * tens of microseconds; after 10 us of spinning a worker was asleep for most of them, and waking
+ * it (a futex call) took 6 % of a decode's CPU samples (perf). Intel Xeon (family 6, model 207),
+ * 2 vCPUs, processes alternating (no result file): `mlxspec generate`, 200 tokens, 10 us 62.9 and
+ * 50 us 67.1 tok/s (means of 6 rounds; 5 earlier rounds 65.5 / 74.6), `mlxspec batch` of 8
+ * streams 110.9 / 113.9, bench/decode.py's 4-bit row (no output printed while decoding) 67.6 /
+ * 66.4. Much longer spinning holds a core that MLX's evaluation thread and Python need (2 cores,
+ * 3 busy threads): before the layers were fused (AMD EPYC, 2 vCPUs) spinning up to 1 ms gave
+ * 8 streams 88.6 tok/s and one 18.4, against 105.5 and 21.6 at 10 us.
  *
  * A product is cut into chunks of columns that the caller and the workers claim one at a time
  * (one atomic ticket), so nobody waits for a part assigned to a thread that is not running: a
@@ -474,7 +479,8 @@ void mlxspec_blas_set_isa(const char *isa) {
  * numbers do not change (tests/cpu/test_blas.py).
  */
 #define POOL_MAX_THREADS 64
-#define POOL_SPIN_CYCLES 20000ULL /* ~10 us at 2 GHz of spinning before a worker sleeps */
+#define POOL_SPIN_US 50 /* default spinning of a worker before it sleeps (MLXSPEC_POOL_SPIN_US) */
+#define TSC_CYCLES_PER_US 2000ULL /* a 2 GHz time-stamp counter; a faster one spins less */
 #define POOL_CHUNKS_PER_THREAD 8  /* claims per thread and product, for balance */
 #define POOL_MIN_CHUNK 64         /* columns: smaller chunks cost the kernel its blocking */
 
@@ -500,6 +506,7 @@ static struct {
   float alpha, beta;
   const float *a, *b;
   float *c;
+  unsigned long long spin_cycles; /* set before the first worker starts */
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
             .sleep = PTHREAD_MUTEX_INITIALIZER,
             .wake = PTHREAD_COND_INITIALIZER};
@@ -532,7 +539,7 @@ static void *pool_worker(void *arg) {
   for (;;) {
     unsigned long long start = __rdtsc();
     while (TICKET_GENERATION(__atomic_load_n(&pool.ticket, __ATOMIC_ACQUIRE)) == seen) {
-      if (__rdtsc() - start < POOL_SPIN_CYCLES) {
+      if (__rdtsc() - start < pool.spin_cycles) {
         _mm_pause();
         continue;
       }
@@ -555,6 +562,11 @@ static int pool_threads(void) {
  * computed by the caller and the workers; returns when all are done, the pool released. */
 static void pool_run(int threads, unsigned long long chunks) {
   unsigned long long generation = TICKET_GENERATION(pool.ticket) + 1;
+  if (pool.workers == 0 && pool.spin_cycles == 0) {
+    const char *value = getenv("MLXSPEC_POOL_SPIN_US");
+    long us = value && *value ? strtol(value, NULL, 10) : POOL_SPIN_US;
+    pool.spin_cycles = (unsigned long long)(us > 0 ? us : 0) * TSC_CYCLES_PER_US + 1;
+  }
   while (pool.workers < threads - 1) { /* started on first use, kept for the process */
     pthread_t thread;
     if (pthread_create(&thread, NULL, pool_worker, (void *)(size_t)(generation - 1)) != 0)
