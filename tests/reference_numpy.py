@@ -21,7 +21,8 @@ from gguf.quants import dequantize
 def read_gguf(path) -> GGUFReader:
     """``gguf.GGUFReader`` over the file read into memory rather than mapped: the reader slices its
     data once per vocabulary entry, and a memmap's slice costs several times an array's
-    (Gemma-3's 262k tokens: ~15 s mapped, ~6 s in memory; the parse is the same)."""
+    (Gemma-3's 262k tokens: ~15 s mapped, ~6 s in memory; the parse is the same). The reader
+    calls ``np.memmap`` itself, so ``numpy.memmap`` is replaced while it is built."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf_reader.np, "memmap", lambda file, mode="r": np.fromfile(file, np.uint8))
         return GGUFReader(path)

@@ -41,6 +41,10 @@ def test_wheel_installs_only_mlxspec_and_runs(tmp_path):
     for folder, package in (("mlxspec", "mlxspec"), ("cli", "mlxspec/cli"), ("metal", "mlxspec/metal")):
         for source in (ROOT / folder).rglob("*.py"):
             assert f"{package}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
+    # and every C/C++ source and header the CPU backend compiles on first use (their text is
+    # also the build key: a missing header fails the build).
+    for source in (ROOT / "mlxspec" / "cpu").glob("_*.[ch]*"):
+        assert f"mlxspec/cpu/{source.name}" in names, source
 
     # A fresh venv with the wheel; its dependencies come from this environment's site-packages
     # through a .pth file (no network, and not this checkout: the .pth adds only a path).

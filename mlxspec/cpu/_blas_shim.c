@@ -564,8 +564,11 @@ static void pool_run(int threads, unsigned long long chunks) {
   unsigned long long generation = TICKET_GENERATION(pool.ticket) + 1;
   if (pool.workers == 0 && pool.spin_cycles == 0) {
     const char *value = getenv("MLXSPEC_POOL_SPIN_US");
-    long us = value && *value ? strtol(value, NULL, 10) : POOL_SPIN_US;
-    pool.spin_cycles = (unsigned long long)(us > 0 ? us : 0) * TSC_CYCLES_PER_US + 1;
+    char *end = NULL;
+    long us = value ? strtol(value, &end, 10) : POOL_SPIN_US;
+    if (!value || end == value) us = POOL_SPIN_US; /* unset or not a number: the default */
+    us = us < 0 ? 0 : us > 1000000 ? 1000000 : us;  /* at most a second */
+    pool.spin_cycles = (unsigned long long)us * TSC_CYCLES_PER_US + 1;
   }
   while (pool.workers < threads - 1) { /* started on first use, kept for the process */
     pthread_t thread;

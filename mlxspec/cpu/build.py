@@ -10,6 +10,7 @@ token). Builds run under a lock and a temporary name, so concurrent first uses b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -17,10 +18,12 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +57,19 @@ class Extension:
 MODULES = ("mlxspec.cpu.ops", "mlxspec.cpu.quantized")
 
 
-def _companions(extension: Extension) -> list[Extension]:
-    """The other extensions this process wants."""
-    found = [importlib.import_module(name).EXTENSION for name in MODULES]
-    return [e for e in found if e != extension and e.wanted()]
+def _companion_plans(extension: Extension) -> list[tuple[Path, Extension, list[str]]]:
+    """The other extensions this process wants, planned; one that cannot even be planned (its
+    module, its switch, a missing source) is left for its own first use to report."""
+    plans = []
+    for name in MODULES:
+        try:
+            other = importlib.import_module(name).EXTENSION
+            if other != extension and other.wanted():
+                other_target, other_command = _plan(other)
+                plans.append((other_target, other, other_command))
+        except Exception:  # noqa: BLE001 (a companion is optional here)
+            continue
+    return plans
 
 
 def _nanobind() -> ModuleType:
@@ -119,7 +131,11 @@ def _plan(extension: Extension) -> tuple[Path, list[str]]:
     command = compiler()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     all_flags = [*flags(), *extension.extra_flags()]
-    key_text = "\n".join([*source_texts(extension.source), mx.__version__, nanobind.__version__,
+    try:
+        texts = source_texts(extension.source)
+    except OSError as e:
+        raise Unavailable(f"{e.filename} is missing (reinstall mlxspec)") from e
+    key_text = "\n".join([*texts, mx.__version__, nanobind.__version__,
                           suffix, platform.machine(), *all_flags, *command])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     target = paths.home() / "cpu_ops" / key / f"{extension.module_name}{suffix}"
@@ -134,9 +150,9 @@ def _plan(extension: Extension) -> tuple[Path, list[str]]:
 
 def library(extension: Extension) -> Path:
     """``extension``'s built module, compiled on first use (with every other extension of
-    :data:`MODULES` this process wants that is not built yet, concurrently). Raises :class:`Unavailable` when
-    ``extension`` cannot be built; a companion's failure is left for its own first use to report.
-    """
+    :data:`MODULES` this process wants that is not built yet, concurrently). Raises
+    :class:`Unavailable` when ``extension`` cannot be built; a companion's failure is left for its
+    own first use to report."""
     target, command = _plan(extension)
     if target.is_file():
         return target
@@ -144,12 +160,8 @@ def library(extension: Extension) -> Path:
         if target.is_file():
             return target
         builds = [(extension, target, command)]
-        for other in _companions(extension):
-            try:
-                other_target, other_command = _plan(other)
-            except Unavailable:
-                continue
-            if not other_target.is_file():
+        for other_target, other, other_command in _companion_plans(extension):
+            if not other_target.is_file() and other_target != target:
                 builds.append((other, other_target, other_command))
         errors = _compile(builds)
     if extension in errors:
@@ -158,44 +170,64 @@ def library(extension: Extension) -> Path:
 
 
 def _compile(builds: list[tuple[Extension, Path, list[str]]]) -> dict[Extension, Unavailable]:
-    """Run the compilers side by side; each module appears under its name only when complete.
-    Returns the failures."""
+    """Run the compilers side by side, all within ``BUILD_TIMEOUT_S``; each module appears under
+    its name only when complete. Returns the failures. On any exception (Ctrl-C included) every
+    compiler still running is killed with its child stages and its temporary file removed."""
     errors: dict[Extension, Unavailable] = {}
-    running = []
-    for extension, target, command in builds:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
-            os.close(fd)
-        except OSError as e:
-            errors[extension] = Unavailable(f"cannot write {target.parent} ({e.strerror}); set "
-                                            "MLXSPEC_HOME to a writable directory")
-            continue
-        try:
-            process = subprocess.Popen([*command, "-o", tmp], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
-        except OSError as e:
-            os.unlink(tmp)
-            errors[extension] = Unavailable(f"no working C++ compiler ({e}); install g++ or set CXX")
-            continue
-        running.append((extension, target, tmp, process))
-    if running and sys.stderr.isatty():  # a person waiting; scripts reading stderr get nothing new
-        print("mlxspec: building its CPU ops (once, ~15 s)", file=sys.stderr, flush=True)
-    for extension, target, tmp, process in running:
-        try:
-            _, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            stderr, process.returncode = f"timed out after {BUILD_TIMEOUT_S} s", -1
-        if process.returncode == 0:
-            os.replace(tmp, target)
-            continue
-        os.unlink(tmp)
-        lines = stderr.splitlines()
-        first = ([line for line in lines if "error" in line] or lines or ["no output"])[0]
-        errors[extension] = Unavailable(f"compiling {extension.source.name} failed: {first}")
+    running: list[tuple[Extension, Path, str, subprocess.Popen]] = []
+    try:
+        for extension, target, command in builds:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
+                os.close(fd)
+            except OSError as e:
+                errors[extension] = Unavailable(f"cannot write {target.parent} ({e.strerror}); "
+                                                "set MLXSPEC_HOME to a writable directory")
+                continue
+            try:
+                process = subprocess.Popen([*command, "-o", tmp], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True,
+                                           start_new_session=True)
+            except OSError as e:
+                os.unlink(tmp)
+                errors[extension] = Unavailable(f"no working C++ compiler ({e}); install g++ or "
+                                                "set CXX")
+                continue
+            running.append((extension, target, tmp, process))
+        if running and sys.stderr.isatty():  # a person waiting; scripts get nothing new
+            print("mlxspec: building its CPU ops (once, ~15 s)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for extension, target, tmp, process in running:
+            try:
+                _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(process)
+                stderr = f"timed out after {BUILD_TIMEOUT_S} s"
+            if process.returncode == 0:
+                os.replace(tmp, target)
+                continue
+            lines = stderr.splitlines()
+            first = ([line for line in lines if "error" in line] or lines or ["no output"])[0]
+            errors[extension] = Unavailable(f"compiling {extension.source.name} failed: {first}")
+    except BaseException:
+        for *_, process in running:
+            if process.returncode is None:
+                _kill(process)
+        raise
+    finally:
+        for *_, tmp, _ in running:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     return errors
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """End a compiler and its stages (cc1plus, as, ld share its session), without reading the
+    pipe they may still hold."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def load(path: Path, module_name: str) -> ModuleType:

@@ -5,6 +5,7 @@ The real builds are exercised by every test that loads the CPU ops or the packed
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import pytest
@@ -26,6 +27,7 @@ echo "start $name" >> "{log}"
 sleep 1
 case "$name" in
   broken*) echo "$src:3:1: error: expected ';' before '}}'" >&2; exit 1 ;;
+  hung*) (sleep 2; echo late > "$out.late") & sleep 60 ;;
 esac
 echo "module $name" > "$out"
 echo "end $name" >> "{log}"
@@ -43,11 +45,12 @@ def extensions(tmp_path, monkeypatch):
     compiler.chmod(0o755)
     monkeypatch.setattr(build, "compiler", lambda: [str(compiler)])
     found = {}
-    for name in ("ok", "other", "broken", "off"):
+    for name in ("ok", "other", "broken", "off", "hung"):
         source = tmp_path / f"{name}.cpp"
         source.write_text(f"// {name}\n")
         module = types.ModuleType(f"fake_{name}")
-        module.EXTENSION = build.Extension(source, f"_fake_{name}", wanted=lambda n=name: n != "off")
+        module.EXTENSION = build.Extension(source, f"_fake_{name}",
+                                           wanted=lambda n=name: n not in ("off", "hung"))
         monkeypatch.setitem(sys.modules, module.__name__, module)
         found[name] = module.EXTENSION
     monkeypatch.setattr(build, "MODULES", tuple(f"fake_{n}" for n in found))
@@ -86,3 +89,16 @@ def test_the_extension_asked_for_fails_with_one_line_when_its_build_fails(extens
         build.library(found["broken"])
     assert "\n" not in str(failure.value)
     assert built(found["ok"]) and built(found["other"])  # the others were built all the same
+
+
+def test_a_build_past_its_time_is_killed_with_its_stages_and_leaves_nothing(extensions,
+                                                                          monkeypatch):
+    found, _ = extensions
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 1)
+    start = time.monotonic()
+    with pytest.raises(build.Unavailable, match=r"compiling hung\.cpp failed: timed out"):
+        build.library(found["hung"])
+    assert time.monotonic() - start < 30  # not the stand-in compiler's 60 s
+    home = build._plan(found["hung"])[0].parents[2]
+    time.sleep(3)  # a stage left running would write its file 2 s after it started
+    assert not list(home.rglob("tmp*")), list(home.rglob("*"))

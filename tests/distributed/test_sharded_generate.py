@@ -22,7 +22,7 @@ EDIT = ("Rename the variable x to total in this code:\n"
 
 
 LAYOUTS = {"tensor": "tensor: mlp", "pipeline": "pipeline: layers 15-29 of 30"}
-DRAFTERS = {"auto": "eagle-3 + prompt lookup"}
+DRAFTERS = {"--prompt-lookup": "prompt lookup", "auto": "eagle-3 + prompt lookup"}
 _REFERENCE: dict[str, str] = {}
 
 
@@ -36,11 +36,14 @@ def one_process_text(args: list[str]) -> str:
     return _REFERENCE[key]
 
 
-# "auto" drafts with the shipped EAGLE-3 head and prompt lookup together (lookup alone runs
-# sharded in the seeded sampling test below).
-@pytest.mark.parametrize("drafting", [["--draft", "none"], ["--draft", "auto"]],
-                         ids=["plain", "feature draft and prompt lookup"])
-@pytest.mark.parametrize("shard", ["tensor", "pipeline"])
+# "auto" drafts with the shipped EAGLE-3 head and prompt lookup together; lookup alone runs
+# greedy on tensor shards here and sampled on pipeline shards in the seeded test below.
+@pytest.mark.parametrize(("shard", "drafting"), [
+    ("tensor", ["--draft", "none"]), ("tensor", ["--prompt-lookup"]),
+    ("tensor", ["--draft", "auto"]), ("pipeline", ["--draft", "none"]),
+    ("pipeline", ["--draft", "auto"])],
+    ids=["tensor-plain", "tensor-prompt lookup", "tensor-feature draft and prompt lookup",
+         "pipeline-plain", "pipeline-feature draft and prompt lookup"])
 def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
     args = ["generate", "-p", EDIT, "--temp", "0", "--max-tokens", "12", "--json"]
     want = one_process_text(args)
