@@ -462,9 +462,8 @@ void mlxspec_blas_set_isa(const char *isa) {
  * tens of microseconds; after 10 us of spinning a worker was asleep for most of them, and waking
  * it (a futex call) took 6 % of a decode's CPU samples (perf). Intel Xeon (family 6, model 207),
  * 2 vCPUs, processes alternating (no result file): `mlxspec generate`, 200 tokens, 10 us 62.9 and
- * 50 us 67.1 tok/s (means of 6 rounds; 5 earlier rounds 65.5 / 74.6), `mlxspec batch` of 8
- * streams 110.9 / 113.9, bench/decode.py's 4-bit row (no output printed while decoding) 67.6 /
- * 66.4. Much longer spinning holds a core that MLX's evaluation thread and Python need (2 cores,
+ * 50 us 67.1 tok/s (means of 6 rounds; faster in 10 of 11), `mlxspec batch` of 8 streams 110.9 /
+ * 113.9, bench/decode.py's 4-bit row (no output printed while decoding) 67.6 / 66.4. Much longer spinning holds a core that MLX's evaluation thread and Python need (2 cores,
  * 3 busy threads): before the layers were fused (AMD EPYC, 2 vCPUs) spinning up to 1 ms gave
  * 8 streams 88.6 tok/s and one 18.4, against 105.5 and 21.6 at 10 us.
  *

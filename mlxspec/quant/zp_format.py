@@ -176,7 +176,8 @@ def _pad_last(a, n: int):
 
 
 # At 2, 4 and 8 bits no value straddles a byte, so the little-endian bit stream is a byte stream:
-# numpy packs the bytes and views them as words (~10x the word-by-word loop on large embeddings).
+# numpy packs the bytes and views them as words (Gemma-3's 262k x 640 table at 4 bits: packing
+# 6x, unpacking 23x faster than the word-by-word loop).
 _BYTE_ALIGNED = (2, 4, 8)
 
 
@@ -187,7 +188,7 @@ def _pack_bytes(q: np.ndarray, bits: int) -> np.ndarray:
     stream = parts[..., 0].copy()
     for i in range(1, per_byte):
         stream |= parts[..., i] << np.uint8(i * bits)
-    return np.ascontiguousarray(stream).view("<u4").astype(np.uint32, copy=False)
+    return stream.view("<u4").astype(np.uint32, copy=False)  # stream: a fresh contiguous array
 
 
 def _unpack_bytes(packed: np.ndarray, bits: int) -> np.ndarray:
