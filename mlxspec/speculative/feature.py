@@ -41,6 +41,7 @@ from mlxspec.speculative.eagle3 import Eagle3Head
 # causal mask (no sliding windows, no embedding scale): FeatureTarget runs exactly that.
 LAYERED = ("llama", "qwen2", "qwen3", "mistral", "mimo")
 CHUNK = 512  # context positions per head forward while catching up
+CATCH_UP_PROBE = 64  # positions of the longer forward that measures the catch-up cost
 BACKFILL_MAX = 4096  # the longest cached context whose features are computed again (one-off)
 
 
@@ -311,16 +312,33 @@ class FeatureDrafter(Drafter):
         return Draft(drafted, probs, caught_up=need if need > CATCH_UP_IN_STEP else 1)
 
     def _measure(self) -> tuple[float, float]:
-        """Seconds of one chained step and of one caught-up position (planner priors)."""
-        head, cache = self.head, [KVCache()]
-        features = mx.zeros((1, CATCH_UP_IN_STEP, self.width), head.dtype)
-        tokens = mx.zeros((1, CATCH_UP_IN_STEP), mx.uint32)
-        mx.eval(head.step(tokens, features, cache, features=True))  # warm-up
+        """Seconds of one chained step and of one caught-up position (planner priors).
+
+        A caught-up position costs the slope between a forward over ``CATCH_UP_PROBE`` positions
+        and one over ``CATCH_UP_IN_STEP``: the forward's fixed cost is a draft step's, which the
+        planner already counts (over 8 positions alone it made a position seem 10x dearer, and
+        the planner then held back from catching up after a pause, pausing longer each time)."""
+        head = self.head
+
+        def forward(n: int) -> tuple[float, mx.array, list]:
+            features = mx.zeros((1, n, self.width), head.dtype)
+            tokens = mx.zeros((1, n), mx.uint32)
+            times = []
+            for _ in range(3):  # the first run builds the shapes: the fastest of the others
+                cache = [KVCache()]
+                tic = time.perf_counter()
+                out = head.step(tokens, features, cache, features=True)
+                mx.eval(head.logits(out[:, -1:]))
+                times.append(time.perf_counter() - tic)
+            return min(times[1:]), out, cache
+
+        short, out, cache = forward(CATCH_UP_IN_STEP)
+        long, _, _ = forward(CATCH_UP_PROBE)
+        catch_up = max(long - short, 0.0) / (CATCH_UP_PROBE - CATCH_UP_IN_STEP)
+        step = head.step(mx.zeros((1, 1), mx.uint32), out[:, -1:], cache, features=False)
+        mx.eval(self._full_logits(head.logits(step[0]).astype(mx.float32)))  # warm-up
+        trim_cache(cache, 1)
         tic = time.perf_counter()
-        out = head.step(tokens, features, cache, features=True)
-        mx.eval(head.logits(out[:, -1:]))
-        catch_up = (time.perf_counter() - tic) / CATCH_UP_IN_STEP
-        tic = time.perf_counter()
-        out = head.step(tokens[:, :1], out[:, -1:], cache, features=False)
-        mx.eval(self._full_logits(head.logits(out[0]).astype(mx.float32)))
+        step = head.step(mx.zeros((1, 1), mx.uint32), out[:, -1:], cache, features=False)
+        mx.eval(self._full_logits(head.logits(step[0]).astype(mx.float32)))
         return time.perf_counter() - tic, catch_up

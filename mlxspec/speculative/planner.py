@@ -34,7 +34,11 @@ WINDOW = 8  # recent measurements behind each cost estimate
 ACCEPTANCE_MEMORY = 0.9  # per-pass decay of the acceptance counts
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 2.0  # acceptance assumed before any draft is verified
 MARGIN = 0.03  # speculation must be predicted this much faster than plain decoding
-PLAIN_FIRST = 2  # plain passes measured (after the warm-up pass) before the first trial
+# Plain passes measured (after the warm-up pass) before the first trial, run back to back as
+# plain decoding runs (pipelined): the first steps after a prompt can take twice the steady
+# step (SmolLM2 on a CPU: 26-37 ms against 12-14), and a plain cost measured on two of them made
+# every speculative pass look cheap, so speculation never paused and drafted too long.
+PLAIN_FIRST = 4
 TRIAL_PASSES = 2  # speculative passes of a trial before judging
 MIN_PAUSE, MAX_PAUSE = 16, 512  # plain tokens before trying again
 # Hopeless: the drafts kept since the last accepted one (none) would be that unlikely
@@ -110,6 +114,7 @@ class DraftLengthPlanner:
         self.passes = 0  # passes observed (the first is a warm-up, not timed)
         self.speculative_passes = 0
         self.paused = 0  # plain passes left before speculation is tried again
+        self.pauses = 0  # pauses started
         self.pause = self.served_pause = MIN_PAUSE
         self.trial = 0  # speculative passes of the current trial still to run
         self.since_accept = 0  # speculative passes since a draft was last accepted
@@ -210,15 +215,19 @@ class DraftLengthPlanner:
         if self.paused > 0:
             self.paused -= 1
             return 0
-        if len(self.verify_costs.get(0, ())) < PLAIN_FIRST:  # measure plain decoding first
+        measured = len(self.verify_costs.get(0, ()))
+        if measured < PLAIN_FIRST:  # measure plain decoding first, as it runs: a stretch
+            self.paused = PLAIN_FIRST - measured - 1 + (self.passes == 0)  # with the warm-up
             return 0
         horizon = min(limit + 1, HORIZON)
         plain_seconds = horizon * self.plain_cost
         if self.trial > 0 or self.speculative_passes == 0:
             # A trial: measure before judging, unless catching up alone would not pay.
+            # The first trial's passes (before any pause) against the tokens left; a retry's
+            # against the pause it follows.
             budget = (
                 FIRST_TRIAL_COST * plain_seconds
-                if self.speculative_passes == 0
+                if self.pauses == 0
                 else RETRY_COST * self._paused_time()
             )
             # A retry of a hopeless drafter is for catching it once it has become useful; with
@@ -243,6 +252,7 @@ class DraftLengthPlanner:
     def _pause(self) -> int:
         """Decode plainly for the current pause, then try again (the next pause is longer)."""
         hopeless = self._hopeless()
+        self.pauses += 1
         self.paused, self.served_pause = self.pause - 1, self.pause
         self.pause = min((4 if hopeless else 2) * self.pause, MAX_PAUSE)
         self.trial = 1 if hopeless else TRIAL_PASSES

@@ -43,4 +43,6 @@ def test_mlx_lm_computes_mlxspec_logits_bit_for_bit_in_the_chosen_dtype(saved, m
 
 @pytest.mark.slow
 def test_calibrated_quantization_beats_round_to_nearest(saved, gemma3):
-    check_calibrated_beats_round_to_nearest(saved, gemma3)
+    # 96 tokens (each of Gemma-3's passes computes 262,144 logits a position): KL 0.60 against
+    # 1.05, top-1 57 % against 45 %, far from either limit.
+    check_calibrated_beats_round_to_nearest(saved, gemma3, window_tokens=96)

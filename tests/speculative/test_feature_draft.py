@@ -270,3 +270,28 @@ def test_feature_draft_with_prompt_lookup_stays_exact_and_uses_both(tmp_path):
         plain_tokens(model, prompt, 120)
     assert drafter.from_lookup > 0 and proposed  # both drafted
     assert stats.target_passes < 120
+
+
+def test_the_catch_up_prior_is_a_positions_cost_not_a_forwards(tmp_path, monkeypatch):
+    """A head forward costs a fixed part (a draft step's) plus a little per position: the prior
+    the planner charges per caught-up position is the latter. Timed on a clock that a forward
+    over n positions advances by 4 ms + 0.1 ms * n (the fixed part over 8 positions alone made
+    a position seem 6x dearer)."""
+    from mlxspec.speculative import eagle3, feature
+
+    vocab = 64
+    model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
+    write_published_head(tmp_path / "head", vocab, list(range(0, vocab, 2)))
+    head = load_head(tmp_path / "head", model, ToyTokenizer(vocab))
+    clock = [0.0]
+    step = eagle3.Eagle3Head.step
+
+    def timed_step(self, tokens, *args, **kwargs):
+        clock[0] += 0.004 + 0.0001 * tokens.shape[1]
+        return step(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(eagle3.Eagle3Head, "step", timed_step)
+    monkeypatch.setattr(feature.time, "perf_counter", lambda: clock[0])
+    drafter = FeatureDrafter(head, model, vocab_size=vocab)
+    assert drafter.catch_up_seconds == pytest.approx(0.0001)
+    assert drafter.step_seconds == pytest.approx(0.0041)
