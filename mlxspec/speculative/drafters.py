@@ -116,6 +116,11 @@ class Drafter:
         """
         raise NotImplementedError
 
+    def draft_length(self, k: int, limit: int, sampling: SamplingParams) -> int:
+        """How many tokens to propose when the planner chose ``k`` (``"auto"``, one process; at
+        most ``limit``): ``k``, unless the drafter knows better for this pass."""
+        return k
+
     def unseen(self) -> int:
         """How many context tokens the drafter must process before it can draft."""
         return 0

@@ -233,6 +233,8 @@ def speculative_generate_step(
         while generated < max_tokens:
             left = max_tokens - generated
             k = planner.choose(left - 1, draft.unseen())
+            if k and planner.fixed is None and share is None:  # ranks must agree on k: no
+                k = draft.draft_length(k, left - 1, sampling)  # drafter's say when sharded
             if k == 0:  # speculation is paused: plain decoding steps, pipelined
                 stretch = planner.plain_stretch(left)
                 sampler = sampling.sampler(seed if seeded else None, position)

@@ -67,6 +67,16 @@ def lower_median(values) -> float | None:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def free_draft_length(costs: PassCosts, acceptance: float, limit: int) -> int:
+    """The length of a draft that costs nothing to make (prompt lookup's run) with the most
+    predicted tokens per second, from ``costs``' measured passes; 0 while neither plain passes
+    nor passes with drafts have been measured (no cost per verified draft is known yet)."""
+    if limit <= 0 or not costs.verify.get(0) or not any(c for j, c in costs.verify.items() if j):
+        return 0
+    planner = DraftLengthPlanner("auto", draft_step=0.0, costs=PassCosts(verify=costs.verify))
+    return max(range(1, min(K_MAX, limit) + 1), key=lambda k: planner.rate(k, acceptance))
+
+
 @dataclass
 class PassCosts:
     """What one generation's planner measured, for the next generations of the same drafter and

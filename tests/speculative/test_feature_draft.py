@@ -8,6 +8,7 @@ distribution of plain sampling (float64 numpy, as in test_speculative_sampling).
 from __future__ import annotations
 
 import json
+from collections import deque
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +26,7 @@ from mlxspec.errors import (
     TokenizerMismatchError,
     UnsupportedModelError,
 )
+from mlxspec.sampling import SamplingParams
 from mlxspec.speculative import SpecStats, speculative_generate_step
 from mlxspec.speculative.eagle3 import load_head
 from mlxspec.speculative.feature import FeatureDrafter, tapped_forward
@@ -270,6 +272,37 @@ def test_feature_draft_with_prompt_lookup_stays_exact_and_uses_both(tmp_path):
         plain_tokens(model, prompt, 120)
     assert drafter.from_lookup > 0 and proposed  # both drafted
     assert stats.target_passes < 120
+
+
+def test_with_auto_k_a_lookup_run_that_keeps_being_accepted_is_drafted_longer(tmp_path):
+    """The pair's k fits the head's acceptance; lookup's runs, free to draft, get the length
+    their own acceptance pays for at the measured pass costs (never shorter than k), and the
+    greedy output is still plain greedy's."""
+    from mlxspec.speculative.combined import CombinedDrafter
+    from mlxspec.speculative.drafters import PromptLookupDrafter
+    from mlxspec.speculative.planner import free_draft_length
+
+    vocab = 64
+    model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
+    feature = _drafter(tmp_path, model, vocab, list(range(0, vocab, 2)))
+    drafter = CombinedDrafter(feature, PromptLookupDrafter(ngram_max=3))
+    # a plain pass 10 ms, each verified draft 1 ms more
+    drafter.pass_costs.verify.update({0: deque([0.010] * 4), 2: deque([0.012] * 4)})
+    drafter.begin([5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9])  # "2 7 1 5 9" follows "5 9"
+    greedy, sampled = SamplingParams(temp=0.0), SamplingParams(temp=0.7)
+    assert drafter.draft_length(2, 100, greedy) == 2  # lookup's acceptance: the 0.5 prior
+    for _ in range(6):  # its greedy runs are kept whole
+        run = drafter.propose(3, greedy).array.tolist()
+        drafter.extend(run + [run[0]])
+    assert drafter.lookup_acceptance(True) > 0.9
+    long = drafter.draft_length(2, 100, greedy)
+    assert long == free_draft_length(drafter.pass_costs, drafter.lookup_acceptance(True), 100) > 4
+    assert drafter.draft_length(2, 3, greedy) == 3  # within the tokens left
+    assert drafter.draft_length(2, 100, sampled) == 2  # sampling has its own, still the prior
+    drafter.begin([1, 2, 3, 4])  # no repeat: the head drafts, at k
+    assert drafter.draft_length(2, 100, greedy) == 2
+    prompt = [5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9]
+    assert spec_tokens(model, drafter, prompt, 80, k="auto") == plain_tokens(model, prompt, 80)
 
 
 def test_the_catch_up_prior_is_a_positions_cost_not_a_forwards(tmp_path, monkeypatch):
