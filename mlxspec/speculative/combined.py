@@ -63,6 +63,7 @@ class CombinedDrafter(Drafter):
 
     def begin(self, context: Sequence[int]) -> None:
         super().begin(context)
+        self.lookup_run = None  # a pass interrupted before its verdict (an error, Ctrl-C)
         for drafter in (self.feature, self.lookup):
             drafter.prefix = self.prefix
             drafter.begin(context)
@@ -70,7 +71,9 @@ class CombinedDrafter(Drafter):
     def extend(self, tokens: Sequence[int]) -> None:
         if self.lookup_run is not None:  # tokens: the kept drafts and the target's own
             (run, greedy), kept = self.lookup_run, 0
-            while kept < min(len(run), len(tokens)) and run[kept] == tokens[kept]:
+            # the last token is the target's own: never a kept draft (a run the loop cut short
+            # for a grammar counts as missed past the cut)
+            while kept < min(len(run), len(tokens) - 1) and run[kept] == tokens[kept]:
                 kept += 1
             counts = self.lookup_counts[greedy]
             counts[0] = ACCEPTANCE_MEMORY * counts[0] + kept

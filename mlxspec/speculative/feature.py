@@ -316,8 +316,10 @@ class FeatureDrafter(Drafter):
 
         A caught-up position costs the slope between a forward over ``CATCH_UP_PROBE`` positions
         and one over ``CATCH_UP_IN_STEP``: the forward's fixed cost is a draft step's, which the
-        planner already counts (over 8 positions alone it made a position seem 10x dearer, and
-        the planner then held back from catching up after a pause, pausing longer each time)."""
+        planner already counts (over 8 positions alone it made a position seem over 4x dearer,
+        and the planner then held back from catching up after a pause, pausing longer each
+        time). Floored at an eighth of the long forward's time per position: two timings on a busy
+        machine can come out in either order, and a zero prior would make catching up free."""
         head = self.head
 
         def forward(n: int) -> tuple[float, mx.array, list]:
@@ -334,7 +336,8 @@ class FeatureDrafter(Drafter):
 
         short, out, cache = forward(CATCH_UP_IN_STEP)
         long, _, _ = forward(CATCH_UP_PROBE)
-        catch_up = max(long - short, 0.0) / (CATCH_UP_PROBE - CATCH_UP_IN_STEP)
+        catch_up = max((long - short) / (CATCH_UP_PROBE - CATCH_UP_IN_STEP),
+                       long / CATCH_UP_PROBE / 8)
         step = head.step(mx.zeros((1, 1), mx.uint32), out[:, -1:], cache, features=False)
         mx.eval(self._full_logits(head.logits(step[0]).astype(mx.float32)))  # warm-up
         trim_cache(cache, 1)

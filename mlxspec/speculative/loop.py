@@ -232,9 +232,10 @@ def speculative_generate_step(
     try:
         while generated < max_tokens:
             left = max_tokens - generated
-            k = planner.choose(left - 1, draft.unseen())
+            k = planned = planner.choose(left - 1, draft.unseen())
             if k and planner.fixed is None and share is None:  # ranks must agree on k: no
-                k = draft.draft_length(k, left - 1, sampling)  # drafter's say when sharded
+                # drafter's own length when sharded; never shorter, never past the tokens left
+                k = min(max(draft.draft_length(k, left - 1, sampling), k), left - 1)
             if k == 0:  # speculation is paused: plain decoding steps, pipelined
                 stretch = planner.plain_stretch(left)
                 sampler = sampling.sampler(seed if seeded else None, position)
@@ -311,7 +312,7 @@ def speculative_generate_step(
             # the next: ~1.8 ms of a ~22 ms pass of SmolLM2 with its head at k = 3, which the
             # planner did not see when it compared the two.
             verify_s = time.perf_counter() - tic
-            planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up)
+            planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up, planned)
             stats.record(k, drafted, n, len(emitted), draft_s, verify_s)
             for i, t in enumerate(emitted):
                 rollback_on_close = max(n - i - 1, 0)  # if the caller stops here, these leave

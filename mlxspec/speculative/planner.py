@@ -137,24 +137,31 @@ class DraftLengthPlanner:
             self.prior_slope = seconds / tokens
 
     def observe(
-        self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float, caught_up: int
+        self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float, caught_up: int,
+        planned: int | None = None,
     ) -> None:
         """One pass: k requested, ``drafted`` proposed, ``accepted`` kept, times in seconds.
 
         ``caught_up`` is how many context tokens the drafter processed first (1-2 in steady
-        state; more is a catch-up, whose cost per token is measured separately).
+        state; more is a catch-up, whose cost per token is measured separately). ``planned``:
+        the k this planner chose when the drafter made the pass longer (a free lookup run,
+        ``Drafter.draft_length``): the acceptance and the drafting cost are then counted as if
+        the pass had held ``planned`` drafts, so a long free run kept whole does not make this
+        planner draft longer for the drafter it plans (its verify cost is kept by length).
         """
         self.passes += 1
+        free = planned is not None and planned < drafted
         if drafted > 0:
             self.speculative_passes += 1
-            self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
-            self.rejected = ACCEPTANCE_MEMORY * self.rejected + (accepted < drafted)
+            judged, kept = (planned, min(accepted, planned)) if free else (drafted, accepted)
+            self.accepted = ACCEPTANCE_MEMORY * self.accepted + kept
+            self.rejected = ACCEPTANCE_MEMORY * self.rejected + (kept < judged)
             self.costs.acceptance = self.acceptance
             self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)
         self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
-        if k == 0:
+        if k == 0 or free:
             return
         if caught_up <= 2:
             self.draft_costs.append(draft_s / max(drafted, 1))  # a confidence stop drafts < k

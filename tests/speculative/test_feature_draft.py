@@ -301,8 +301,16 @@ def test_with_auto_k_a_lookup_run_that_keeps_being_accepted_is_drafted_longer(tm
     assert drafter.draft_length(2, 100, sampled) == 2  # sampling has its own, still the prior
     drafter.begin([1, 2, 3, 4])  # no repeat: the head drafts, at k
     assert drafter.draft_length(2, 100, greedy) == 2
+    # In the loop: some pass verifies the longer run draft_length asked for.
+    asked, proposed = [], []
+    length, propose = drafter.draft_length, drafter.propose
+    drafter.draft_length = lambda k, limit, sampling: asked.append(
+        (k, out := length(k, limit, sampling))) or out
+    drafter.propose = lambda k, *args: proposed.append(k) or propose(k, *args)
     prompt = [5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9]
     assert spec_tokens(model, drafter, prompt, 80, k="auto") == plain_tokens(model, prompt, 80)
+    longer = [out for k, out in asked if out > k]
+    assert longer and set(longer) <= set(proposed), (asked, proposed)
 
 
 def test_the_catch_up_prior_is_a_positions_cost_not_a_forwards(tmp_path, monkeypatch):

@@ -214,3 +214,19 @@ def test_the_first_trial_runs_its_passes_while_a_combined_drafter_defers_its_cat
             planner.observe(0, 0, 0, 0.0, 0.0135, 0)
     planner.observe(k, k, 0, 0.0001, 0.018, 0)  # lookup's run: the head caught up on nothing
     assert planner.choose(120, 44) > 0
+
+
+def test_a_free_run_made_longer_than_k_counts_as_the_k_planned():
+    """A lookup run of 16 kept whole, where the planner chose 2 for the pair (the head's k): the
+    acceptance and drafting cost grow as for a 2-draft pass kept whole, the verify cost is kept
+    under 16 drafts. Counted as 16 kept drafts, it made the planner give the head k ~ 8."""
+    free, plain = (DraftLengthPlanner("auto", draft_step=0.001) for _ in range(2))
+    for planner in (free, plain):
+        for _ in range(3):
+            planner.observe(0, 0, 0, 0.0, 0.010, 0)
+        planner.observe(2, 2, 1, 0.002, 0.012, 1)
+    free.observe(16, 16, 16, 0.0001, 0.030, 0, planned=2)
+    plain.observe(2, 2, 2, 0.002, 0.012, 1)
+    assert free.acceptance == plain.acceptance
+    assert list(free.draft_costs) == [0.001]  # the head's pass only
+    assert list(free.verify_costs[16]) == [0.030]
