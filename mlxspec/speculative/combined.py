@@ -10,8 +10,8 @@ catches up in one forward when it drafts again. Verification is the same as for 
 With auto-k, a lookup run gets its own length: the planner's k fits the acceptance of both
 drafts together, which the head's keeps low, and cut lookup's long copies short. Lookup's own
 acceptance is kept here (greedy and sampled apart) and a run made longer than k where the same
-measured pass costs, drafting being free, say that a longer run pays (SmolLM2's editing prompt
-at T = 0, alternating runs: the pair 1.40x plain decoding before, 1.72x after).
+measured pass costs, drafting being free, say that a longer run pays
+(docs/feature-drafts.md).
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ import mlx.nn as nn
 from mlxspec.sampling import SamplingParams
 from mlxspec.speculative.drafters import Draft, Drafter, PromptLookupDrafter, _draft_of
 from mlxspec.speculative.feature import FeatureDrafter
-from mlxspec.speculative.planner import (
-    ACCEPTANCE_MEMORY,
-    PRIOR_ACCEPTANCE,
-    PRIOR_WEIGHT,
-    free_draft_length,
-)
+from mlxspec.speculative.planner import AcceptanceCount, free_draft_length
 
 
 class CombinedDrafter(Drafter):
@@ -48,15 +43,13 @@ class CombinedDrafter(Drafter):
         self.feature, self.lookup, self.min_ngram = feature, lookup, min_ngram
         self.step_seconds, self.catch_up_seconds = feature.step_seconds, feature.catch_up_seconds
         self.from_lookup = 0  # passes drafted by lookup (a statistic)
-        # Lookup's decayed kept drafts and runs ending in a rejection (as the planner counts),
-        # greedy and sampled apart: a copy kept whole at T = 0 is cut short by sampling.
-        prior = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT]
-        self.lookup_counts = {True: list(prior), False: list(prior)}  # by sampling.greedy
+        # Lookup's acceptance, counted as the planner counts, greedy and sampled apart (by
+        # sampling.greedy): a copy kept whole at T = 0 is cut short by sampling.
+        self.lookup_counts = {True: AcceptanceCount.prior(), False: AcceptanceCount.prior()}
         self.lookup_run: tuple[list[int], bool] | None = None  # proposed, awaiting its verdict
 
     def lookup_acceptance(self, greedy: bool) -> float:
-        kept, missed = self.lookup_counts[greedy]
-        return kept / (kept + missed)
+        return self.lookup_counts[greedy].rate
 
     def target_model(self, model: nn.Module) -> Any:
         return self.feature.target_model(model)
@@ -75,9 +68,7 @@ class CombinedDrafter(Drafter):
             # for a grammar counts as missed past the cut)
             while kept < min(len(run), len(tokens) - 1) and run[kept] == tokens[kept]:
                 kept += 1
-            counts = self.lookup_counts[greedy]
-            counts[0] = ACCEPTANCE_MEMORY * counts[0] + kept
-            counts[1] = ACCEPTANCE_MEMORY * counts[1] + (kept < len(run))
+            self.lookup_counts[greedy].record(kept, len(run))
             self.lookup_run = None
         super().extend(tokens)
         self.feature.extend(tokens)

@@ -316,9 +316,9 @@ class FeatureDrafter(Drafter):
 
         A caught-up position costs the slope between a forward over ``CATCH_UP_PROBE`` positions
         and one over ``CATCH_UP_IN_STEP``: the forward's fixed cost is a draft step's, which the
-        planner already counts (over 8 positions alone it made a position seem over 4x dearer,
-        and the planner then held back from catching up after a pause, pausing longer each
-        time). Floored at an eighth of the long forward's time per position: two timings on a busy
+        planner already counts (8 positions' forward over 8 counts it ~4x over per position, and
+        the planner then holds back from catching up after a pause, pausing longer each time).
+        Floored at an eighth of the long forward's time per position: two timings on a busy
         machine can come out in either order, and a zero prior would make catching up free."""
         head = self.head
 
