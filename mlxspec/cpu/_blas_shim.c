@@ -463,9 +463,10 @@ void mlxspec_blas_set_isa(const char *isa) {
  * it (a futex call) took 6 % of a decode's CPU samples (perf). Intel Xeon (family 6, model 207),
  * 2 vCPUs, processes alternating (no result file): `mlxspec generate`, 200 tokens, 10 us 62.9 and
  * 50 us 67.1 tok/s (means of 6 rounds; faster in 10 of 11), `mlxspec batch` of 8 streams 110.9 /
- * 113.9, bench/decode.py's 4-bit row (no output printed while decoding) 67.6 / 66.4. Much longer spinning holds a core that MLX's evaluation thread and Python need (2 cores,
- * 3 busy threads): before the layers were fused (AMD EPYC, 2 vCPUs) spinning up to 1 ms gave
- * 8 streams 88.6 tok/s and one 18.4, against 105.5 and 21.6 at 10 us.
+ * 113.9, bench/decode.py's 4-bit row (no output printed while decoding) 67.6 / 66.4. Much longer
+ * spinning holds a core that MLX's evaluation thread and Python need (2 cores, 3 busy threads):
+ * with the layers unfused (AMD EPYC, 2 vCPUs) spinning up to 1 ms gave 8 streams 88.6 tok/s and
+ * one 18.4, against 105.5 and 21.6 at 10 us.
  *
  * A product is cut into chunks of columns that the caller and the workers claim one at a time
  * (one atomic ticket), so nobody waits for a part assigned to a thread that is not running: a
