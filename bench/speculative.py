@@ -67,14 +67,20 @@ CODE = (
 )
 
 
-def run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed, **spec) -> dict:
-    """One mlxspec generation: tokens/s and, if speculative, acceptance and the statistics.
+def run_mlxspec(model, tokenizer, prompt, max_tokens, temp, seed, seeded=False, **spec) -> dict:
+    """One mlxspec generation: tokens/s, the token ids and, if speculative, acceptance and the
+    statistics.
 
-    MLX's global RNG is seeded (rejection sampling, the maximal coupling); ``seed=`` of the API
-    would select seeded verification, whose acceptance is lower for sampling drafts."""
+    MLX's global RNG is seeded (rejection sampling, the maximal coupling), unless ``seeded``:
+    then ``seed=`` of the API selects seeded verification, whose text is plain decoding's with
+    the same seed whatever the drafter (its acceptance is lower for sampling drafts)."""
     mx.random.seed(seed)
-    *_, last = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, temp=temp, **spec)
-    result = {"tps": last.generation_tps, "tokens": last.generation_tokens}
+    if seeded:
+        spec["seed"] = seed
+    *steps, last = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, temp=temp,
+                                   **spec)
+    result = {"tps": last.generation_tps, "tokens": last.generation_tokens,
+              "ids": [r.token for r in (*steps, last)]}
     if last.spec_stats is not None:
         result["acceptance"] = last.spec_stats.acceptance_rate
         result["stats"] = last.spec_stats.as_dict()
@@ -110,8 +116,10 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def median_run(runs: list[dict]) -> dict:
-    """The run with the median tokens/s (its acceptance and statistics come with it)."""
-    return sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
+    """The run with the median tokens/s (its acceptance and statistics come with it; not its
+    token ids)."""
+    median = sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
+    return {key: value for key, value in median.items() if key != "ids"}
 
 
 def bench(
@@ -230,8 +238,8 @@ def long_prompt_lookup(model, tokenizer, max_tokens: int, seed: int) -> dict:
     unit = tokenizer.encode(CODE)
     prompt = (unit * (context // len(unit) + 1))[: context - max_tokens]
     args = (model, tokenizer, prompt, max_tokens, 0.0, seed)
-    plain = run_mlxspec(*args)
-    auto = run_mlxspec(*args, prompt_lookup=True, num_draft_tokens="auto")
+    plain = median_run([run_mlxspec(*args)])
+    auto = median_run([run_mlxspec(*args, prompt_lookup=True, num_draft_tokens="auto")])
     return {"prompt_tokens": len(prompt), "plain": plain, "auto_k": auto,
             "auto_over_plain": auto["tps"] / plain["tps"]}
 

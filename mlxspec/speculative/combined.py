@@ -7,11 +7,10 @@ proposed as it is (deterministic, q one-hot); otherwise the feature draft drafts
 the whole context, and the target's verifying passes keep recording the features, so the head
 catches up in one forward when it drafts again. Verification is the same as for either alone.
 
-With auto-k, a lookup run gets its own length: the planner's k fits the acceptance of both
-drafts together, which the head's keeps low, and cut lookup's long copies short. Lookup's own
-acceptance is kept here (greedy and sampled apart) and a run made longer than k where the same
-measured pass costs, drafting being free, say that a longer run pays
-(docs/feature-drafts.md).
+With auto-k each drafter has its own planner (``PairPlanner``): its own acceptance, drafting
+cost, draft length and pauses, the target's pass costs shared. One planner for the pair fitted
+one k to both (the head's acceptance kept it at 1-3 and cut lookup's long copies short) and
+paused both where the head did not pay, lookup's copies included (docs/feature-drafts.md).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import mlx.nn as nn
 from mlxspec.sampling import SamplingParams
 from mlxspec.speculative.drafters import Draft, Drafter, PromptLookupDrafter, _draft_of
 from mlxspec.speculative.feature import FeatureDrafter
-from mlxspec.speculative.planner import AcceptanceCount, free_draft_length
+from mlxspec.speculative.planner import DraftLengthPlanner, PassCosts
 
 
 class CombinedDrafter(Drafter):
@@ -43,33 +42,28 @@ class CombinedDrafter(Drafter):
         self.feature, self.lookup, self.min_ngram = feature, lookup, min_ngram
         self.step_seconds, self.catch_up_seconds = feature.step_seconds, feature.catch_up_seconds
         self.from_lookup = 0  # passes drafted by lookup (a statistic)
-        # Lookup's acceptance, counted as the planner counts, greedy and sampled apart (by
-        # sampling.greedy): a copy kept whole at T = 0 is cut short by sampling.
-        self.lookup_counts = {True: AcceptanceCount.prior(), False: AcceptanceCount.prior()}
-        self.lookup_run: tuple[list[int], bool] | None = None  # proposed, awaiting its verdict
+        # Lookup's planner measurements, greedy and sampled apart (a copy kept whole at T = 0 is
+        # cut short by sampling); the target's pass costs are the head's planner's, shared.
+        self.lookup_costs = {greedy: PassCosts(verify=self.pass_costs.verify)
+                             for greedy in (True, False)}
 
-    def lookup_acceptance(self, greedy: bool) -> float:
-        return self.lookup_counts[greedy].rate
+    def lookup_turn(self) -> bool:
+        """Whether lookup drafts the next pass (a match of ``min_ngram`` tokens or more)."""
+        return self.lookup.match(1)[0] >= self.min_ngram
+
+    def planner(self, num_draft_tokens: int | str, sampling: SamplingParams) -> PairPlanner:
+        return PairPlanner(self, num_draft_tokens, sampling)
 
     def target_model(self, model: nn.Module) -> Any:
         return self.feature.target_model(model)
 
     def begin(self, context: Sequence[int]) -> None:
         super().begin(context)
-        self.lookup_run = None  # a pass interrupted before its verdict (an error, Ctrl-C)
         for drafter in (self.feature, self.lookup):
             drafter.prefix = self.prefix
             drafter.begin(context)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        if self.lookup_run is not None:  # tokens: the kept drafts and the target's own
-            (run, greedy), kept = self.lookup_run, 0
-            # the last token is the target's own: never a kept draft (a run the loop cut short
-            # for a grammar counts as missed past the cut)
-            while kept < min(len(run), len(tokens) - 1) and run[kept] == tokens[kept]:
-                kept += 1
-            self.lookup_counts[greedy].record(kept, len(run))
-            self.lookup_run = None
         super().extend(tokens)
         self.feature.extend(tokens)
         self.lookup.extend(tokens)
@@ -77,26 +71,67 @@ class CombinedDrafter(Drafter):
     def unseen(self) -> int:
         return self.feature.unseen()
 
-    def draft_length(self, k: int, limit: int, sampling: SamplingParams) -> int:
-        if self.lookup.match(1)[0] < self.min_ngram:
-            return k  # the head drafts
-        # Only ever longer: where lookup's runs fare worse than the pair, k already fits them.
-        acceptance = self.lookup_acceptance(sampling.greedy)
-        return max(k, free_draft_length(self.pass_costs, acceptance, limit))
-
     def propose(self, k, sampling, logits_processor=None, keys=None) -> Draft:
-        self.lookup_run = None
         if k == 0:
             return _draft_of([])
         n, tokens = self.lookup.match(k)
         if n >= self.min_ngram:
             self.from_lookup += 1
-            self.lookup_run = (tokens, sampling.greedy)
             return _draft_of(tokens)
         return self.feature.propose(k, sampling, logits_processor, keys)
 
     def reset(self) -> None:
         super().reset()
-        self.lookup_run = None
         self.feature.reset()
         self.lookup.reset()
+
+
+class PairPlanner:
+    """Auto-k for a ``CombinedDrafter``: a ``DraftLengthPlanner`` per drafter, each asked on the
+    passes its drafter drafts, with the same interface as one.
+
+    A pause of one does not stop the other: a plain stretch run for the head's pause ends (after
+    the pass already queued) as soon as lookup's turn comes and lookup's planner is ready, and the
+    other way round; a turn of a paused drafter during the other's stretch counts toward its
+    own pause.
+    """
+
+    def __init__(self, pair: CombinedDrafter, num_draft_tokens: int | str,
+                 sampling: SamplingParams):
+        self.pair = pair
+        feature = pair.feature
+        self.head = DraftLengthPlanner(num_draft_tokens, feature.step_seconds,
+                                       feature.catch_up_seconds, pair.pass_costs)
+        self.lookup = DraftLengthPlanner(num_draft_tokens, 0.0, 0.0,
+                                         pair.lookup_costs[sampling.greedy])
+        self.fixed = self.head.fixed
+        self.active = self.head  # the planner of the pass (or plain stretch) under way
+
+    def _turn(self) -> DraftLengthPlanner:
+        return self.lookup if self.pair.lookup_turn() else self.head
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        for planner in (self.head, self.lookup):
+            planner.observe_prefill(tokens, seconds)
+
+    def choose(self, limit: int, catch_up: int = 0) -> int:
+        self.active = self._turn()
+        return self.active.choose(limit, catch_up if self.active is self.head else 0)
+
+    def observe(self, *args, **kwargs) -> None:
+        self.active.observe(*args, **kwargs)
+
+    def plain_stretch(self, limit: int) -> int:
+        return self.active.plain_stretch(limit)
+
+    def plain_stretch_ended(self, unused: int) -> None:
+        self.active.plain_stretch_ended(unused)
+
+    def interrupts(self) -> bool:
+        turn = self._turn()
+        if turn is self.active:
+            return False
+        if turn.ready():
+            return True
+        turn.pass_by()
+        return False

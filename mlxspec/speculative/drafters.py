@@ -36,7 +36,7 @@ from mlxspec.sampling import (
     processed_probs,
     sample,
 )
-from mlxspec.speculative.planner import PassCosts
+from mlxspec.speculative.planner import DraftLengthPlanner, PassCosts
 
 # (tokens drafted so far (i,) uint32, logits (1, vocab)) -> logits after the target's logits
 # processors with the history continued by the drafted tokens (see loop.py).
@@ -116,10 +116,17 @@ class Drafter:
         """
         raise NotImplementedError
 
-    def draft_length(self, k: int, limit: int, sampling: SamplingParams) -> int:
-        """How many tokens to propose when the planner chose ``k`` (``"auto"``, one process; at
-        most ``limit``): ``k``, unless the drafter knows better for this pass."""
-        return k
+    def planner(self, num_draft_tokens: int | str, sampling: SamplingParams) -> DraftLengthPlanner:
+        """What chooses k for each pass of a generation (``DraftLengthPlanner``, from this
+        drafter's cost estimates and ``pass_costs``)."""
+        return DraftLengthPlanner(num_draft_tokens, self.step_seconds, self.catch_up_seconds,
+                                  self.pass_costs)
+
+    def can_propose(self) -> bool:
+        """Whether ``propose`` would propose anything now (prompt lookup: only on a match).
+        When not, the loop decodes plainly, pipelined, until it can: a pass with no draft is
+        a plain step that could not overlap the next one's building."""
+        return True
 
     def unseen(self) -> int:
         """How many context tokens the drafter must process before it can draft."""
@@ -301,6 +308,9 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, k, sampling, logits_processor=None, keys=None) -> Draft:
         return _draft_of(self.match(k)[1])
+
+    def can_propose(self) -> bool:
+        return self.match(1)[0] > 0
 
     def match(self, k: int) -> tuple[int, list[int]]:
         """``(n, tokens)``: the longest n-gram ending the context that occurred before, and the

@@ -10,7 +10,8 @@ One pass (Leviathan et al. 2023; Chen et al. 2023; gpt-fast's ``speculative_deco
 4. the target cache rolls back the k - n rejected drafts (sliding windows included, through
    ``mlxspec.cache.WindowKVCache``); the drafter is told the emitted tokens.
 
-``DraftLengthPlanner`` picks k before every pass; k = 0 runs plain decoding steps (pipelined).
+``DraftLengthPlanner`` picks k before every pass; k = 0 runs plain decoding steps (pipelined),
+and so does a drafter with nothing to propose (prompt lookup without a match) until it has.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from mlxspec.sampling import (
     processed_probs,
 )
 from mlxspec.speculative.drafters import Drafter
-from mlxspec.speculative.planner import DraftLengthPlanner
 from mlxspec.speculative.stats import SpecStats
 from mlxspec.speculative.verify import verify_greedy, verify_sampling, verify_seeded
 
@@ -86,12 +86,16 @@ def _plain_steps(
     processors: Sequence[LogitsProcessor] | None,
     sampler: Callable[[mx.array], mx.array],
     count: int,
+    stop: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[mx.array, mx.array]]:
-    """``count`` plain decoding steps after ``last`` (1,), pipelined as mlx-lm's generate_step.
+    """Up to ``count`` plain decoding steps after ``last`` (1,), pipelined as mlx-lm's
+    generate_step.
 
     The next step is queued before the current token is handed out, so building the graph
     overlaps with computing it. Like a speculative pass, it leaves the last token out of the cache.
-    Yields ``(token (1,) uint32, logprobs (vocab,))``.
+    ``stop()``, asked after each token is handed out, ends the steps after the one queued then
+    (its forward has already put the token into the cache). Yields ``(token (1,) uint32,
+    logprobs (vocab,))``.
     """
 
     def step(y: mx.array, seen: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -100,16 +104,21 @@ def _plain_steps(
 
     token, logprobs = step(last, history)
     mx.async_eval(token, logprobs)
-    for i in range(count):
-        if i + 1 < count:  # queue the next step on the (not yet computed) token
+    i = 0
+    while i < count:
+        queued = i + 1 < count
+        if queued:  # queue the next step on the (not yet computed) token
             if processors:
                 history = mx.concatenate([history, last.astype(history.dtype)])
             last = token
             next_token, next_logprobs = step(token, history)
             mx.async_eval(next_token, next_logprobs)
         yield token, logprobs
-        if i + 1 < count:
+        if queued:
+            if stop is not None and stop():
+                count = i + 2
             token, logprobs = next_token, next_logprobs
+        i += 1
 
 
 def _valid_prefix(
@@ -212,8 +221,7 @@ def speculative_generate_step(
     prefix = draft.prefix if len(draft.prefix) == cache_offset(prompt_cache) else []
     draft.begin([*prefix, *prompt.tolist()])
     stats.one_off_seconds = time.perf_counter() - tic
-    planner = DraftLengthPlanner(num_draft_tokens, draft.step_seconds, draft.catch_up_seconds,
-                                 draft.pass_costs)
+    planner = draft.planner(num_draft_tokens, sampling)
 
     with mx.stream(generation_stream):
         tic = time.perf_counter()
@@ -232,30 +240,32 @@ def speculative_generate_step(
     try:
         while generated < max_tokens:
             left = max_tokens - generated
-            k = planned = planner.choose(left - 1, draft.unseen())
-            if k and planner.fixed is None and share is None:  # ranks must agree on k: no
-                # drafter's own length when sharded; never shorter, never past the tokens left
-                k = min(max(draft.draft_length(k, left - 1, sampling), k), left - 1)
-            if k == 0:  # speculation is paused: plain decoding steps, pipelined
-                stretch = planner.plain_stretch(left)
+            can_propose = draft.can_propose()  # prompt lookup: only on a match
+            k = planner.choose(left - 1, draft.unseen()) if can_propose else 0
+            if k == 0:  # plain steps, pipelined: the planner's pause, or until a draft can come
+                stretch = planner.plain_stretch(left) if can_propose else left
+                stop = planner.interrupts if can_propose else draft.can_propose
                 sampler = sampling.sampler(seed if seeded else None, position)
                 tokens = []
                 with mx.stream(generation_stream):
                     tic = time.perf_counter()
                     for token, logprobs in _plain_steps(
-                        model, prompt_cache, last, history, processors, sampler, stretch
+                        model, prompt_cache, last, history, processors, sampler, stretch,
+                        stop=stop,
                     ):
                         tokens.append(token.item())
+                        draft.extend(tokens[-1:])  # token by token: ``stop`` may ask it
                         step_s = time.perf_counter() - tic
                         planner.observe(0, 0, 0, 0.0, step_s, 0)
                         stats.record(0, 0, 0, 1, 0.0, step_s)
                         yield tokens[-1], logprobs, False
                         tic = time.perf_counter()  # the caller's time is not ours
+                if can_propose:
+                    planner.plain_stretch_ended(stretch - len(tokens))
                 if processors:  # [last, t1..t_{n-1}] are now in the cache
                     seen = mx.array([last.item(), *tokens[:-1]], history.dtype)
                     history = mx.concatenate([history, seen])
-                draft.extend(tokens)
-                generated, position = generated + stretch, position + stretch
+                generated, position = generated + len(tokens), position + len(tokens)
                 last = mx.array(tokens[-1:], mx.uint32)
                 quantize(prompt_cache)
                 continue
@@ -312,7 +322,7 @@ def speculative_generate_step(
             # the next: ~1.8 ms of a ~22 ms pass of SmolLM2 with its head at k = 3, which the
             # planner did not see when it compared the two.
             verify_s = time.perf_counter() - tic
-            planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up, planned)
+            planner.observe(k, drafted, n, draft_s, verify_s, proposal.caught_up)
             stats.record(k, drafted, n, len(emitted), draft_s, verify_s)
             for i, t in enumerate(emitted):
                 rollback_on_close = max(n - i - 1, 0)  # if the caller stops here, these leave

@@ -67,16 +67,6 @@ def lower_median(values) -> float | None:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def free_draft_length(costs: PassCosts, acceptance: float, limit: int) -> int:
-    """The length of a draft that costs nothing to make (prompt lookup's run) with the most
-    predicted tokens per second, from ``costs``' measured passes; 0 while neither plain passes
-    nor passes with drafts have been measured (no cost per verified draft is known yet)."""
-    if limit <= 0 or not costs.verify.get(0) or not any(c for j, c in costs.verify.items() if j):
-        return 0
-    planner = DraftLengthPlanner("auto", draft_step=0.0, costs=PassCosts(verify=costs.verify))
-    return planner.best_k(limit, acceptance)
-
-
 @dataclass
 class AcceptanceCount:
     """A per-token acceptance rate from decayed counts: drafts kept, and passes ending in a
@@ -158,32 +148,23 @@ class DraftLengthPlanner:
             self.prior_slope = seconds / tokens
 
     def observe(
-        self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float, caught_up: int,
-        planned: int | None = None,
+        self, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float, caught_up: int
     ) -> None:
         """One pass: k requested, ``drafted`` proposed, ``accepted`` kept, times in seconds.
 
         ``caught_up`` is how many context tokens the drafter processed first (1-2 in steady
-        state; more is a catch-up, whose cost per token is measured separately). ``planned``:
-        the k this planner chose when the drafter made the pass longer (a free lookup run,
-        ``Drafter.draft_length``): the acceptance and the drafting cost are then counted as if
-        the pass had held ``planned`` drafts, so a long free run kept whole does not make this
-        planner draft longer for the drafter it plans (its verify cost is kept by length).
+        state; more is a catch-up, whose cost per token is measured separately).
         """
         self.passes += 1
-        free = planned is not None and planned < drafted
         if drafted > 0:
             self.speculative_passes += 1
-            if free:  # as the k planned
-                self.counts.record(min(accepted, planned), planned)
-            else:
-                self.counts.record(accepted, drafted)
+            self.counts.record(accepted, drafted)
             self.costs.acceptance = self.acceptance
             self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)
         self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
-        if k == 0 or free:
+        if k == 0:
             return
         if caught_up <= 2:
             self.draft_costs.append(draft_s / max(drafted, 1))  # a confidence stop drafts < k
@@ -322,3 +303,22 @@ class DraftLengthPlanner:
         stretch = min(self.paused + 1, limit)
         self.paused -= stretch - 1
         return stretch
+
+    def plain_stretch_ended(self, unused: int) -> None:
+        """The stretch ended ``unused`` passes early (``interrupts``): they stay paused."""
+        self.paused += unused
+
+    def interrupts(self) -> bool:
+        """Whether the plain stretch running should end after the pass queued now (a planner
+        of one drafter never cuts its own pause short)."""
+        return False
+
+    def ready(self) -> bool:
+        """Whether ``choose`` would consider drafting now: plain decoding measured, no pause."""
+        measured = len(self.verify_costs.get(0, ()))
+        return self.fixed is not None or (self.paused == 0 and measured >= PLAIN_FIRST)
+
+    def pass_by(self) -> None:
+        """A plain pass, run for another drafter's pause, where this planner's drafter would have
+        drafted: it counts toward this planner's pause too."""
+        self.paused = max(self.paused - 1, 0)

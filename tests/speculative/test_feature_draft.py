@@ -274,43 +274,52 @@ def test_feature_draft_with_prompt_lookup_stays_exact_and_uses_both(tmp_path):
     assert stats.target_passes < 120
 
 
-def test_with_auto_k_a_lookup_run_that_keeps_being_accepted_is_drafted_longer(tmp_path):
-    """The pair's k fits the head's acceptance; lookup's runs, free to draft, get the length
-    their own acceptance pays for at the measured pass costs (never shorter than k), and the
-    greedy output is still plain greedy's."""
+def test_with_auto_k_lookup_drafts_through_a_pause_of_the_head(tmp_path):
+    """Each drafter of the pair has its own planner: with the head paused for the whole answer,
+    the plain stretches end where lookup's copy can start, lookup drafts, the head never does,
+    and the greedy output is still plain greedy's."""
     from mlxspec.speculative.combined import CombinedDrafter
     from mlxspec.speculative.drafters import PromptLookupDrafter
-    from mlxspec.speculative.planner import free_draft_length
 
     vocab = 64
     model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
     feature = _drafter(tmp_path, model, vocab, list(range(0, vocab, 2)))
     drafter = CombinedDrafter(feature, PromptLookupDrafter(ngram_max=3))
-    # a plain pass 10 ms, each verified draft 1 ms more
+    # a plain pass 10 ms, each verified draft 1 ms more: lookup's planner is ready at once
     drafter.pass_costs.verify.update({0: deque([0.010] * 4), 2: deque([0.012] * 4)})
-    drafter.begin([5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9])  # "2 7 1 5 9" follows "5 9"
-    greedy, sampled = SamplingParams(temp=0.0), SamplingParams(temp=0.7)
-    assert drafter.draft_length(2, 100, greedy) == 2  # lookup's acceptance: the 0.5 prior
-    for _ in range(6):  # its greedy runs are kept whole
-        run = drafter.propose(3, greedy).array.tolist()
-        drafter.extend(run + [run[0]])
-    assert drafter.lookup_acceptance(True) > 0.9
-    long = drafter.draft_length(2, 100, greedy)
-    assert long == free_draft_length(drafter.pass_costs, drafter.lookup_acceptance(True), 100) > 4
-    assert drafter.draft_length(2, 3, greedy) == 3  # within the tokens left
-    assert drafter.draft_length(2, 100, sampled) == 2  # sampling has its own, still the prior
-    drafter.begin([1, 2, 3, 4])  # no repeat: the head drafts, at k
-    assert drafter.draft_length(2, 100, greedy) == 2
-    # In the loop: some pass verifies the longer run draft_length asked for.
-    asked, proposed = [], []
-    length, propose = drafter.draft_length, drafter.propose
-    drafter.draft_length = lambda k, limit, sampling: asked.append(
-        (k, out := length(k, limit, sampling))) or out
-    drafter.propose = lambda k, *args: proposed.append(k) or propose(k, *args)
-    prompt = [5, 9, 2, 7, 1, 5, 9, 2, 7, 1, 5, 9]
-    assert spec_tokens(model, drafter, prompt, 80, k="auto") == plain_tokens(model, prompt, 80)
-    longer = [out for k, out in asked if out > k]
-    assert longer and set(longer) <= set(proposed), (asked, proposed)
+    make = drafter.planner
+
+    def head_paused(num_draft_tokens, sampling):
+        planner = make(num_draft_tokens, sampling)
+        planner.head.paused = 1000
+        return planner
+
+    drafter.planner = head_paused
+    proposed = record_proposals(feature)
+    prompt = [5, 9, 2, 7, 1, 3]  # no repeat: the head's turn first
+    stats = SpecStats()
+    assert spec_tokens(model, drafter, prompt, 120, k="auto", stats=stats) == \
+        plain_tokens(model, prompt, 120)
+    assert drafter.from_lookup > 0 and stats.plain_passes > 0 and not proposed
+
+
+def test_a_plain_stretch_stops_after_the_step_queued_when_asked():
+    """``_plain_steps``' ``stop``: the step already queued is the last (its forward put the token
+    before it into the cache); tokens and cache as plain decoding's."""
+    from mlxspec.cache import cache_offset
+    from mlxspec.speculative.loop import _plain_steps
+
+    model = tiny_llama(1, layers=LAYERS, vocab=64, hidden=HIDDEN)
+    prompt = [5, 9, 2, 7, 1]
+    cache = make_cache(model)
+    mx.eval(model(mx.array(prompt[:-1])[None], cache=cache))
+    seen = []
+    steps = _plain_steps(model, cache, mx.array(prompt[-1:], mx.uint32), None, None,
+                         SamplingParams().sampler(), 20, stop=lambda: len(seen) == 3)
+    for token, _ in steps:
+        seen.append(token.item())
+    assert seen == plain_tokens(model, prompt, 4)
+    assert cache_offset(cache) == len(prompt) + 3  # the last token stays out, as ever
 
 
 def test_the_catch_up_prior_is_a_positions_cost_not_a_forwards(tmp_path, monkeypatch):

@@ -37,6 +37,8 @@ PROMPTS = [
     "Explain how a refrigerator works, step by step.",
     "List ten uses for a paperclip and say why each works.",
 ]
+EDIT = ("Fix the grammar and keep the meaning: 'Octopuses is very clever animal, they can opens "
+        "jars and hides in small places when they is scared.'")
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -86,10 +88,14 @@ def test_greedy_speculative_equals_plain_greedy_with_a_4bit_draft(smol, smol_pla
 def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_plain):
     model, tokenizer, _, _ = smol
     drafter, stats = PromptLookupDrafter(), SpecStats()
-    for text in PROMPTS[:2]:  # one drafter for both: it re-indexes when the context changes
+    # one drafter for all: it re-indexes when the context changes; the edit copies its input
+    # (free text has few matches, and plain steps run between them)
+    plain = {**smol_plain, EDIT: plain_tokens(model, chat_ids(tokenizer, EDIT), SMOL_TOKENS)}
+    for text in [*PROMPTS[:2], EDIT]:
         got = spec_tokens(model, drafter, chat_ids(tokenizer, text), SMOL_TOKENS, 4, stats=stats)
-        assert got == smol_plain[text], text
+        assert got == plain[text], text
     assert stats.drafted > stats.accepted > 0  # acceptances and rollbacks
+    assert 0 < stats.plain_passes < stats.target_passes  # plain where lookup found nothing
 
 
 @pytest.mark.slow
