@@ -260,6 +260,26 @@ def test_quantized_kv_cache_with_and_without_speculation_equals_mlx_lm():
         assert all(isinstance(c, QuantizedKVCache) for c in cache)
 
 
+def test_a_plain_stretch_quantizes_the_kv_cache_as_it_crosses_the_start():
+    """Speculative decoding's plain steps (prompt lookup without a match runs them until it
+    finds one) quantize the cache where generate_step does, at the step that crosses
+    ``quantized_kv_start``, not after the stretch."""
+    from mlx_lm.generate import generate_step
+
+    from mlxspec.cache import make_cache
+
+    model = toy(vocab=32, hidden=128)
+    prompt = [1, 2, 3]  # nothing repeats: lookup has no match, a long plain stretch
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=6)
+    expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, **kv)]
+    unquantized = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    assert expected != unquantized  # the 4-bit cache changes the text: the test can tell
+    got = [r.token for r in stream_generate(model, IdsTokenizer(), prompt, max_tokens=40,
+                                            prompt_cache=make_cache(model), prompt_lookup=True,
+                                            num_draft_tokens="auto", **kv)]
+    assert got == expected
+
+
 def test_decoding_modules_form_layers_without_import_cycles():
     """sampling and cache are leaves (sampling reaches the CPU backend through its seam only);
     speculative never imports generate or chat; generate never imports chat (module-level

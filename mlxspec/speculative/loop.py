@@ -87,6 +87,7 @@ def _plain_steps(
     sampler: Callable[[mx.array], mx.array],
     count: int,
     stop: Callable[[], bool] | None = None,
+    after_forward: Callable[[], None] | None = None,
 ) -> Iterator[tuple[mx.array, mx.array]]:
     """Up to ``count`` plain decoding steps after ``last`` (1,), pipelined as mlx-lm's
     generate_step.
@@ -94,12 +95,15 @@ def _plain_steps(
     The next step is queued before the current token is handed out, so building the graph
     overlaps with computing it. Like a speculative pass, it leaves the last token out of the cache.
     ``stop()``, asked after each token is handed out, ends the steps after the one queued then
-    (its forward has already put the token into the cache). Yields ``(token (1,) uint32,
-    logprobs (vocab,))``.
+    (its forward has already put the token into the cache). ``after_forward()`` runs after each
+    step's forward is built, as generate_step quantizes the KV cache. Yields ``(token (1,)
+    uint32, logprobs (vocab,))``.
     """
 
     def step(y: mx.array, seen: mx.array | None) -> tuple[mx.array, mx.array]:
         logprobs = _target_logprobs(model, cache, y, seen, processors)
+        if after_forward is not None:
+            after_forward()
         return sampler(logprobs).astype(mx.uint32), logprobs[0]
 
     token, logprobs = step(last, history)
@@ -246,20 +250,29 @@ def speculative_generate_step(
                 stretch = planner.plain_stretch(left) if can_propose else left
                 stop = planner.interrupts if can_propose else draft.can_propose
                 sampler = sampling.sampler(seed if seeded else None, position)
-                tokens = []
+                tokens, times = [], []
                 with mx.stream(generation_stream):
                     tic = time.perf_counter()
                     for token, logprobs in _plain_steps(
                         model, prompt_cache, last, history, processors, sampler, stretch,
-                        stop=stop,
+                        stop=stop, after_forward=lambda: quantize(prompt_cache),
                     ):
                         tokens.append(token.item())
                         draft.extend(tokens[-1:])  # token by token: ``stop`` may ask it
-                        step_s = time.perf_counter() - tic
-                        planner.observe(0, 0, 0, 0.0, step_s, 0)
-                        stats.record(0, 0, 0, 1, 0.0, step_s)
+                        times.append(time.perf_counter() - tic)
+                        stats.record(0, 0, 0, 1, 0.0, times[-1])
                         yield tokens[-1], logprobs, False
+                        if (generated + len(tokens)) % 256 == 0:
+                            mx.clear_cache()
                         tic = time.perf_counter()  # the caller's time is not ours
+                # A stretch's steps cost its time over its length: its first step was not
+                # overlapped with building it, its last overlapped the caller's time (a stretch
+                # cut to two steps measured ~18 and ~5 ms where a plain step took ~12). The
+                # generation's first step is the planner's warm-up, observed alone.
+                first = 1 if generated == 0 else 0
+                rest = times[first:]
+                for seconds in times[:first] + [sum(rest) / max(len(rest), 1)] * len(rest):
+                    planner.observe(0, 0, 0, 0.0, seconds, 0)
                 if can_propose:
                     planner.plain_stretch_ended(stretch - len(tokens))
                 if processors:  # [last, t1..t_{n-1}] are now in the cache
@@ -267,7 +280,6 @@ def speculative_generate_step(
                     history = mx.concatenate([history, seen])
                 generated, position = generated + len(tokens), position + len(tokens)
                 last = mx.array(tokens[-1:], mx.uint32)
-                quantize(prompt_cache)
                 continue
 
             with mx.stream(generation_stream):
