@@ -42,10 +42,8 @@ class CombinedDrafter(Drafter):
         self.feature, self.lookup, self.min_ngram = feature, lookup, min_ngram
         self.step_seconds, self.catch_up_seconds = feature.step_seconds, feature.catch_up_seconds
         self.from_lookup = 0  # passes drafted by lookup (a statistic)
-        # Lookup's planner measurements, greedy and sampled apart (a copy kept whole at T = 0 is
-        # cut short by sampling); the target's pass costs are the head's planner's, shared.
-        self.lookup_costs = {greedy: PassCosts(verify=self.pass_costs.verify)
-                             for greedy in (True, False)}
+        # Lookup's planner measurements; the target's pass costs are the head's planner's, shared.
+        self.lookup_costs = PassCosts(verify=self.pass_costs.verify)
 
     def lookup_turn(self) -> bool:
         """Whether lookup drafts the next pass (a match of ``min_ngram`` tokens or more)."""
@@ -101,9 +99,10 @@ class PairPlanner:
         self.pair = pair
         feature = pair.feature
         self.head = DraftLengthPlanner(num_draft_tokens, feature.step_seconds,
-                                       feature.catch_up_seconds, pair.pass_costs)
-        self.lookup = DraftLengthPlanner(num_draft_tokens, 0.0, 0.0,
-                                         pair.lookup_costs[sampling.greedy])
+                                       feature.catch_up_seconds, pair.pass_costs,
+                                       greedy=sampling.greedy)
+        self.lookup = DraftLengthPlanner(num_draft_tokens, 0.0, 0.0, pair.lookup_costs,
+                                         greedy=sampling.greedy)
         self.fixed = self.head.fixed
         self.active = self.head  # the planner of the pass (or plain stretch) under way
 

@@ -120,7 +120,7 @@ class Drafter:
         """What chooses k for each pass of a generation (``DraftLengthPlanner``, from this
         drafter's cost estimates and ``pass_costs``)."""
         return DraftLengthPlanner(num_draft_tokens, self.step_seconds, self.catch_up_seconds,
-                                  self.pass_costs)
+                                  self.pass_costs, greedy=sampling.greedy)
 
     def can_propose(self) -> bool:
         """Whether ``propose`` would propose anything now (prompt lookup: only on a match).

@@ -94,8 +94,9 @@ class PassCosts:
     """What one generation's planner measured, for the next generations of the same drafter and
     target (a chat, a server's lone streams): seconds per drafted token, per caught-up token and
     per pass by drafts verified (the same machine and model: no need to measure them again),
-    and the acceptance rate the generation ended with (the next one's prior: a workload's drafts
-    tend to fare alike). A short answer has only a few passes, and learning both afresh took
+    and the acceptance rate the generation ended with, greedy and sampled apart (the next one's
+    prior: a workload's drafts tend to fare alike, but sampling keeps fewer of them than greedy
+    decoding; ``acceptance[greedy]``). A short answer has only a few passes, and learning both afresh took
     several of them: ``mlxspec serve --prompt-lookup``'s lone stream on ~25-token edits of its
     prompt went from 50-51 to 51-55 tokens/s with them kept (SmolLM2, 2 CPU cores, alternating
     runs; a fixed k = 7 still made 66-72 there: auto-k ramps up within each answer)."""
@@ -103,7 +104,8 @@ class PassCosts:
     draft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     verify: dict[int, deque[float]] = field(default_factory=dict)
-    acceptance: float = PRIOR_ACCEPTANCE
+    acceptance: dict[bool, float] = field(
+        default_factory=lambda: {True: PRIOR_ACCEPTANCE, False: PRIOR_ACCEPTANCE})
 
 
 class DraftLengthPlanner:
@@ -115,6 +117,7 @@ class DraftLengthPlanner:
             token and per context token it catches up on, if any.
         costs: earlier generations' measurements to go on from (updated in place; the
             drafter's ``pass_costs``), or None to start afresh.
+        greedy: whether the generation decodes greedily (the acceptance prior it starts from).
     """
 
     def __init__(
@@ -123,10 +126,12 @@ class DraftLengthPlanner:
         draft_step: float | None = None,
         catch_up_step: float | None = None,
         costs: PassCosts | None = None,
+        greedy: bool = True,
     ):
         self.fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
         self.costs = costs = PassCosts() if costs is None else costs
-        self.counts = AcceptanceCount.prior(costs.acceptance)
+        self.greedy = greedy
+        self.counts = AcceptanceCount.prior(costs.acceptance[greedy])
         self.draft_prior, self.catch_up_prior = draft_step, catch_up_step
         self.draft_costs = costs.draft  # seconds per drafted token
         self.catch_up_costs = costs.catch_up  # seconds per caught-up token
@@ -159,7 +164,7 @@ class DraftLengthPlanner:
         if drafted > 0:
             self.speculative_passes += 1
             self.counts.record(accepted, drafted)
-            self.costs.acceptance = self.acceptance
+            self.costs.acceptance[self.greedy] = self.acceptance
             self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 from mlxspec.sampling import SamplingParams
-from mlxspec.speculative.planner import K_MAX, PLAIN_FIRST, DraftLengthPlanner, PassCosts
+from mlxspec.speculative.planner import (
+    K_MAX,
+    PLAIN_FIRST,
+    PRIOR_ACCEPTANCE,
+    DraftLengthPlanner,
+    PassCosts,
+)
 
 TOKENS = 2000
 
@@ -193,7 +199,9 @@ def test_a_drafters_next_generation_starts_from_what_the_last_one_measured():
         else:
             first.observe(k, k, k, 0.0, 0.010 + 0.001 * k, 1)
     assert ks[0] == 0  # a fresh planner measures plain decoding first
-    assert costs.acceptance > 0.9
+    assert costs.acceptance[True] > 0.9 and costs.acceptance[False] == PRIOR_ACCEPTANCE
+    # a sampled generation starts from sampling's own prior: sampling keeps fewer drafts
+    assert DraftLengthPlanner("auto", costs=costs, greedy=False).acceptance == PRIOR_ACCEPTANCE
 
     fresh = DraftLengthPlanner("auto", draft_step=0.0)
     fresh.observe_prefill(64, 0.2)
@@ -231,8 +239,7 @@ class StubPair:
         object.__setattr__(self, "feature", type("Head", (), {"step_seconds": 0.0014,
                                                              "catch_up_seconds": 0.0001}))
         object.__setattr__(self, "pass_costs", PassCosts())
-        object.__setattr__(self, "lookup_costs", {
-            g: PassCosts(verify=self.pass_costs.verify) for g in (True, False)})
+        object.__setattr__(self, "lookup_costs", PassCosts(verify=self.pass_costs.verify))
 
     def lookup_turn(self) -> bool:
         return self.turn()
