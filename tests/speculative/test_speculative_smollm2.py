@@ -91,7 +91,7 @@ def test_greedy_speculative_equals_plain_greedy_with_prompt_lookup(smol, smol_pl
     # one drafter for all: it re-indexes when the context changes; the edit copies its input
     # (free text has few matches, and plain steps run between them)
     plain = {**smol_plain, EDIT: plain_tokens(model, chat_ids(tokenizer, EDIT), SMOL_TOKENS)}
-    for text in [*PROMPTS[:2], EDIT]:
+    for text in [PROMPTS[0], EDIT]:
         got = spec_tokens(model, drafter, chat_ids(tokenizer, text), SMOL_TOKENS, 4, stats=stats)
         assert got == plain[text], text
     assert stats.drafted > stats.accepted > 0  # acceptances and rollbacks
