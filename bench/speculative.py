@@ -115,11 +115,14 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return chat_prompt(tokenizer, [{"role": "user", "content": text}])
 
 
+def summary(run: dict) -> dict:
+    """A run as the results file keeps it: without its token ids."""
+    return {key: value for key, value in run.items() if key != "ids"}
+
+
 def median_run(runs: list[dict]) -> dict:
-    """The run with the median tokens/s (its acceptance and statistics come with it; not its
-    token ids)."""
-    median = sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
-    return {key: value for key, value in median.items() if key != "ids"}
+    """The run with the median tokens/s (its acceptance and statistics come with it)."""
+    return summary(sorted(runs, key=lambda r: r["tps"])[len(runs) // 2])
 
 
 def bench(
@@ -238,8 +241,8 @@ def long_prompt_lookup(model, tokenizer, max_tokens: int, seed: int) -> dict:
     unit = tokenizer.encode(CODE)
     prompt = (unit * (context // len(unit) + 1))[: context - max_tokens]
     args = (model, tokenizer, prompt, max_tokens, 0.0, seed)
-    plain = median_run([run_mlxspec(*args)])
-    auto = median_run([run_mlxspec(*args, prompt_lookup=True, num_draft_tokens="auto")])
+    plain = summary(run_mlxspec(*args))
+    auto = summary(run_mlxspec(*args, prompt_lookup=True, num_draft_tokens="auto"))
     return {"prompt_tokens": len(prompt), "plain": plain, "auto_k": auto,
             "auto_over_plain": auto["tps"] / plain["tps"]}
 

@@ -96,10 +96,10 @@ class PassCosts:
     per pass by drafts verified (the same machine and model: no need to measure them again),
     and the acceptance rate the generation ended with, greedy and sampled apart (the next one's
     prior: a workload's drafts tend to fare alike, but sampling keeps fewer of them than greedy
-    decoding; ``acceptance[greedy]``). A short answer has only a few passes, and learning both afresh took
-    several of them: ``mlxspec serve --prompt-lookup``'s lone stream on ~25-token edits of its
-    prompt went from 50-51 to 51-55 tokens/s with them kept (SmolLM2, 2 CPU cores, alternating
-    runs; a fixed k = 7 still made 66-72 there: auto-k ramps up within each answer)."""
+    decoding; ``acceptance[greedy]``). A short answer has only a few passes, and learning both
+    afresh took several of them: ``mlxspec serve --prompt-lookup``'s lone stream on ~25-token
+    edits of its prompt went from 50-51 to 51-55 tokens/s with them kept (SmolLM2, 2 CPU cores,
+    alternating runs; a fixed k = 7 still made 66-72 there: auto-k ramps up within each answer)."""
 
     draft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -219,20 +219,18 @@ class DraftLengthPlanner:
             per_token = self.draft_cost * min((self.prior_slope or c0) / c0, 1.0)
         return (tokens - 1) * per_token
 
-    def rate(self, k: int, acceptance: float | None = None) -> float:
+    def rate(self, k: int) -> float:
         """Predicted tokens per second with k drafts per pass."""
-        return self._rate(k, acceptance, self.draft_cost, *self.verify_line())
+        return self._rate(k, self.draft_cost, *self.verify_line())
 
-    def best_k(self, limit: int, acceptance: float | None = None) -> int:
+    def best_k(self, limit: int) -> int:
         """The k in 1..limit with the highest predicted rate (the costs read once: each read
         takes the medians of every measured length, ~0.2 ms for 16 candidates otherwise)."""
         costs = (self.draft_cost, *self.verify_line())
-        return max(range(1, min(K_MAX, limit) + 1), key=lambda k: self._rate(k, acceptance, *costs))
+        return max(range(1, min(K_MAX, limit) + 1), key=lambda k: self._rate(k, *costs))
 
-    def _rate(self, k: int, acceptance: float | None, draft: float, c0: float,
-              slope: float) -> float:
-        a = self.acceptance if acceptance is None else acceptance
-        return expected_tokens(a, k) / max(k * draft + c0 + slope * k, 1e-9)
+    def _rate(self, k: int, draft: float, c0: float, slope: float) -> float:
+        return expected_tokens(self.acceptance, k) / max(k * draft + c0 + slope * k, 1e-9)
 
     # -- the decision ----------------------------------------------------------------------------
 
