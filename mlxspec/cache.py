@@ -264,23 +264,25 @@ def prefill(
     *,
     step_size: int = 2048,
     progress: Callable[[int, int], None] | None = None,
-    after_chunk: Callable[[list], None] | None = None,
+    after_mlx_lm_chunk: Callable[[list], None] | None = None,
 ) -> None:
     """Run ``tokens`` (n,) through ``model`` into ``cache`` in chunks of at most ``step_size``.
 
     Chunks start at ``FIRST_CHUNK`` tokens and adapt so each lasts about
     ``PREFILL_CHUNK_SECONDS``: the device is waited on after every chunk, so Ctrl-C
     (KeyboardInterrupt) is raised within about a second whatever the prompt's length.
-    ``progress(done, total)`` is called after each chunk; ``after_chunk(cache)`` too (e.g. to
-    quantize the cache).
+    ``progress(done, total)`` is called after each chunk. ``after_mlx_lm_chunk(cache)`` is
+    called where mlx-lm's generate_step ends a prefill chunk, after every ``step_size`` tokens
+    and after the last (no chunk ends inside one of its chunks): it quantizes the KV cache at
+    the same points, so every later token attends to the keys mlx-lm's would.
     """
     total, done, chunk = tokens.size, 0, min(step_size, FIRST_CHUNK)
     while done < total:
-        n = min(chunk, total - done)
+        n = min(chunk, total - done, step_size - done % step_size)
         tic = time.perf_counter()
         model(tokens[None, done : done + n], cache=cache)
-        if after_chunk is not None:
-            after_chunk(cache)
+        if after_mlx_lm_chunk is not None and ((done + n) % step_size == 0 or done + n == total):
+            after_mlx_lm_chunk(cache)
         mx.eval([c.state for c in cache])
         seconds = time.perf_counter() - tic
         done += n

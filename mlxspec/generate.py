@@ -22,6 +22,7 @@ from mlx_lm.generate import (
     TextStateMachine,
     generate_step,
     generation_stream,
+    maybe_quantize_kv_cache,
     wired_limit,
 )
 from mlx_lm.models.cache import RotatingKVCache
@@ -145,7 +146,9 @@ def token_generator(
     # processors see the whole prompt (generate_step only sees the last token).
     with mx.stream(generation_stream):
         prefill(model, prompt_cache, prompt[:-1], step_size=prefill_step_size,
-                progress=of_whole_prompt(prompt_progress_callback, prompt.size))
+                progress=of_whole_prompt(prompt_progress_callback, prompt.size),
+                after_mlx_lm_chunk=lambda cache: maybe_quantize_kv_cache(
+                    cache, quantized_kv_start, kv_group_size, kv_bits))
     if prompt_progress_callback is not None:
         prompt_progress_callback(prompt.size, prompt.size)
     processors = logits_processors

@@ -280,6 +280,50 @@ def test_a_plain_stretch_quantizes_the_kv_cache_as_it_crosses_the_start():
     assert got == expected
 
 
+def test_a_verify_pass_ends_where_the_kv_cache_is_quantized():
+    """A pass's rows after the one that brings the cache to ``quantized_kv_start`` attend to
+    keys generate_step has quantized by then: the pass ends at that row (k = 6 otherwise
+    verifies across it and the text differs from token 15 on)."""
+    from mlx_lm.generate import generate_step
+
+    from mlxspec.cache import make_cache
+
+    model = toy(vocab=32, hidden=128)
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 4  # lookup matches: long drafts
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=40)
+    expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, **kv)]
+    unquantized = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    assert expected != unquantized
+    got = [r.token for r in stream_generate(model, IdsTokenizer(), prompt, max_tokens=40,
+                                            prompt_cache=make_cache(model), prompt_lookup=True,
+                                            num_draft_tokens=6, **kv)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("spec", [{}, {"prompt_lookup": True, "num_draft_tokens": 4}])
+def test_a_long_prompt_quantizes_the_kv_cache_where_mlx_lm_does(spec):
+    """mlx-lm quantizes after each ``prefill_step_size`` chunk of the prompt and after its
+    last; mlxspec's prefill chunks differ (they adapt to the speed) but quantize at the same
+    points, plain and speculative alike (the speculative prefill quantized after each of its
+    own chunks, the plain one only after the prompt: their logits differed by up to 0.34)."""
+    import random
+
+    from mlx_lm.generate import generate_step
+
+    from mlxspec.cache import make_cache
+
+    model = toy(vocab=32, hidden=128)
+    rng = random.Random(0)
+    prompt = [rng.randrange(32) for _ in range(600)]
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0, prefill_step_size=512)
+    expected = [(t, lp) for t, lp in generate_step(mx.array(prompt), model, max_tokens=4, **kv)]
+    got = [(r.token, r.logprobs) for r in stream_generate(
+        model, IdsTokenizer(), prompt, max_tokens=4, prompt_cache=make_cache(model), **kv, **spec)]
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        assert mx.abs(a - b).max().item() < 1e-4
+
+
 def test_decoding_modules_form_layers_without_import_cycles():
     """sampling and cache are leaves (sampling reaches the CPU backend through its seam only);
     speculative never imports generate or chat; generate never imports chat (module-level

@@ -125,6 +125,16 @@ def _plain_steps(
         i += 1
 
 
+def _draft_limit(left: int, cache: list[Any], kv_bits: int | None, quantized_kv_start: int) -> int:
+    """The most drafts the next pass may verify: ``left - 1``, and with a KV cache still to
+    quantize, none past the row after which generate_step would quantize it (the row whose
+    write brings the cache to ``quantized_kv_start`` tokens): later rows of one pass would attend
+    to keys it had quantized. The pass ends there; the loop quantizes after it."""
+    if kv_bits is None or not any(hasattr(c, "to_quantized") for c in cache):
+        return left - 1
+    return min(left - 1, quantized_kv_start - cache_offset(cache) - 1)
+
+
 def _valid_prefix(
     processors: Sequence[LogitsProcessor] | None, seen: mx.array | None, drafts: mx.array
 ) -> int:
@@ -230,7 +240,8 @@ def speculative_generate_step(
     with mx.stream(generation_stream):
         tic = time.perf_counter()
         prefill(model, prompt_cache, prompt[:-1], step_size=prefill_step_size,
-                progress=of_whole_prompt(prompt_progress_callback, prompt.size), after_chunk=quantize)
+                progress=of_whole_prompt(prompt_progress_callback, prompt.size),
+                after_mlx_lm_chunk=quantize)
         planner.observe_prefill(prompt.size - 1, time.perf_counter() - tic)
     if prompt_progress_callback is not None:
         prompt_progress_callback(prompt.size, prompt.size)
@@ -245,7 +256,8 @@ def speculative_generate_step(
         while generated < max_tokens:
             left = max_tokens - generated
             can_propose = draft.can_propose()  # prompt lookup: only on a match
-            k = planner.choose(left - 1, draft.unseen()) if can_propose else 0
+            k = planner.choose(_draft_limit(left, prompt_cache, kv_bits, quantized_kv_start),
+                               draft.unseen()) if can_propose else 0
             if k == 0:  # plain steps, pipelined: the planner's pause, or until a draft can come
                 stretch = planner.plain_stretch(left) if can_propose else left
                 stop = planner.interrupts if can_propose else draft.can_propose
