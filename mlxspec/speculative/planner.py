@@ -161,14 +161,19 @@ class DraftLengthPlanner:
         state; more is a catch-up, whose cost per token is measured separately).
         """
         self.passes += 1
-        if drafted > 0:
+        # k drafts asked for and none verified (a grammar refused them all): a pass that kept
+        # nothing, not a plain step; counted as plain, the planner ran such passes unpipelined
+        # for ever (no speculative pass ever measured: the first trial never ended).
+        refused = k > 0 and drafted == 0
+        if drafted > 0 or refused:
             self.speculative_passes += 1
-            self.counts.record(accepted, drafted)
+            self.counts.record(accepted, max(drafted, 1))
             self.costs.acceptance[self.greedy] = self.acceptance
             self.since_accept = 0 if accepted else self.since_accept + 1
         if self.passes == 1:
             return  # warm-up: first use of the shapes (kernel compilation, caches)
-        self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
+        if not refused:  # a lone unpipelined step is no measure of plain decoding
+            self.verify_costs.setdefault(drafted, deque(maxlen=WINDOW)).append(verify_s)
         if k == 0:
             return
         if caught_up <= 2:

@@ -172,6 +172,27 @@ def test_a_drafter_that_is_never_accepted_costs_a_few_passes_per_answer():
     assert 1 <= speculative <= 3, speculative
 
 
+def test_passes_whose_drafts_a_grammar_refuses_all_are_paused_like_rejected_ones():
+    """Prompt lookup under a grammar that refuses every proposal: each pass verifies nothing
+    and costs an unpipelined step. Counted as plain steps, they kept the planner in its first
+    trial for ever (299 of 300 choices drafted); now they count as passes that kept nothing."""
+    planner = DraftLengthPlanner("auto", draft_step=0.0)
+    planner.observe_prefill(40, 0.2)
+    refused, generated = 0, 0
+    while generated < 300:
+        k = planner.choose(1000)
+        if k == 0:
+            for _ in range(planner.plain_stretch(300 - generated)):
+                planner.observe(0, 0, 0, 0.0, 0.010, 0)
+                generated += 1
+        else:
+            refused += 1
+            planner.observe(k, 0, 0, 0.0, 0.013, 1)
+            generated += 1
+    assert refused <= 12, refused
+    assert planner.plain_cost == 0.010  # the refused passes' 13 ms did not enter it
+
+
 def test_a_weak_but_cheap_drafter_is_not_judged_hopeless_on_a_few_misses():
     """Prompt lookup costs nothing to draft: misses in a row are no reason for long pauses."""
     planner = DraftLengthPlanner("auto", draft_step=0.0)
