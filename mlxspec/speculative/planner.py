@@ -21,7 +21,9 @@ alone would cost more than the tokens left could repay). When plain decoding is 
 it pauses for a number of tokens that doubles up to ``MAX_PAUSE`` and then runs a trial of
 ``TRIAL_PASSES`` passes again: it backs off but never gives up, unless the drafter's catch-up
 after the pause would cost more than ``RETRY_COST`` of the paused time (then the pause doubles
-and the retry waits).
+and the retry waits). The catch-up grows with the pause, so a drafter whose catch-up costs more
+than ``RETRY_COST`` of a plain step per token (a draft model whose batched forward is that
+dear) is not retried again in that generation (the next generation plans afresh).
 """
 
 from __future__ import annotations
