@@ -206,7 +206,11 @@ class FeatureDrafter(Drafter):
         self.target.start, self.target.features = 0, None
 
     def unseen(self) -> int:
-        return max(len(self.context) - 1 - self.cached, 0)
+        """Context positions a catch-up forward must process first: none while the first draft
+        step takes them in itself (up to ``CATCH_UP_IN_STEP``; ``propose`` reports those as
+        part of drafting, so the planner measures and charges them once, as drafting cost)."""
+        need = max(len(self.context) - 1 - self.cached, 0)
+        return need if need > CATCH_UP_IN_STEP else 0
 
     def begin(self, context: Sequence[int]) -> None:
         held, self.context = self.context, list(context)

@@ -190,6 +190,22 @@ def _drafter(tmp_path, model, vocab, draft_ids):
                           vocab_size=vocab)
 
 
+def test_a_catch_up_the_first_draft_step_takes_in_is_not_charged_twice(tmp_path):
+    """Up to CATCH_UP_IN_STEP positions are processed by the first draft step and measured as
+    drafting (``propose`` reports ``caught_up=1``): ``unseen`` must not also ask the planner to
+    charge them as a catch-up."""
+    from mlxspec.speculative.drafters import CATCH_UP_IN_STEP
+
+    vocab = 64
+    model = tiny_llama(1, layers=LAYERS, vocab=vocab, hidden=HIDDEN)
+    drafter = _drafter(tmp_path, model, vocab, list(range(0, vocab, 2)))
+    drafter.begin(list(range(CATCH_UP_IN_STEP + 1)))  # CATCH_UP_IN_STEP positions to process
+    assert drafter.unseen() == 0
+    drafter.begin(list(range(CATCH_UP_IN_STEP + 2)))
+    assert drafter.unseen() == CATCH_UP_IN_STEP + 1
+    assert drafter.propose(2, SamplingParams(temp=0.0)).caught_up == CATCH_UP_IN_STEP + 1
+
+
 @pytest.mark.parametrize("k", [1, 3, "auto"])
 def test_greedy_feature_draft_equals_plain_greedy_over_200_tokens(tmp_path, k):
     vocab = 64
