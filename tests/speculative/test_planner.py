@@ -152,23 +152,33 @@ def test_fixed_k_is_used_as_given():
     assert [planner.choose(100) for _ in range(3)] + [planner.choose(2)] == [5, 5, 5, 2]
 
 
+def answer_of_failed_passes(planner: DraftLengthPlanner, tokens: int, plain_seconds: float,
+                            speculative_pass) -> int:
+    """A ``tokens``-token answer planned by ``planner`` where a plain pass takes
+    ``plain_seconds`` and every speculative pass keeps no draft (one token; the pass observed by
+    ``speculative_pass(k)``). Returns how many speculative passes ran."""
+    speculative, generated = 0, 0
+    while generated < tokens:
+        k = planner.choose(tokens - 1 - generated, 1)
+        if k == 0:
+            for _ in range(planner.plain_stretch(tokens - generated)):
+                planner.observe(0, 0, 0, 0.0, plain_seconds, 0)
+                generated += 1
+        else:
+            speculative += 1
+            speculative_pass(k)
+            generated += 1
+    return speculative
+
+
 def test_a_drafter_that_is_never_accepted_costs_a_few_passes_per_answer():
     """bench/speculative.py's "bad draft" (4 of 30 layers, acceptance ~0), with its measured
     costs: plain step 58 ms, verifying 1 draft 82 ms, drafting 11 ms. Each doubling of the
     back-off once cost a 2-pass retry (8-9 wasted passes in 128 tokens, 4 % of the time)."""
     planner = DraftLengthPlanner("auto", draft_step=0.011)
     planner.observe_prefill(40, 0.12)
-    speculative, generated = 0, 0
-    while generated < 128:
-        k = planner.choose(127 - generated, 1)
-        if k == 0:
-            for _ in range(planner.plain_stretch(128 - generated)):
-                planner.observe(0, 0, 0, 0.0, 0.058, 0)
-                generated += 1
-        else:
-            speculative += 1
-            planner.observe(k, k, 0, 0.011 * k, 0.058 + 0.024 * k, 1)
-            generated += 1
+    speculative = answer_of_failed_passes(
+        planner, 128, 0.058, lambda k: planner.observe(k, k, 0, 0.011 * k, 0.058 + 0.024 * k, 1))
     assert 1 <= speculative <= 3, speculative
 
 
@@ -178,17 +188,8 @@ def test_passes_whose_drafts_a_grammar_refuses_all_are_paused_like_rejected_ones
     trial for ever (299 of 300 choices drafted); now they count as passes that kept nothing."""
     planner = DraftLengthPlanner("auto", draft_step=0.0)
     planner.observe_prefill(40, 0.2)
-    refused, generated = 0, 0
-    while generated < 300:
-        k = planner.choose(1000)
-        if k == 0:
-            for _ in range(planner.plain_stretch(300 - generated)):
-                planner.observe(0, 0, 0, 0.0, 0.010, 0)
-                generated += 1
-        else:
-            refused += 1
-            planner.observe(k, 0, 0, 0.0, 0.013, 1)
-            generated += 1
+    refused = answer_of_failed_passes(
+        planner, 300, 0.010, lambda k: planner.observe(k, 0, 0, 0.0, 0.013, 1))
     assert refused <= 12, refused
     assert planner.plain_cost == 0.010  # the refused passes' 13 ms did not enter it
 
