@@ -11,7 +11,9 @@ function: the answer copies most of the prompt, where prompt lookup drafts well)
     pipeline-2    the same with ``--shard pipeline``
     ... (ranks started directly)   tensor-2 and pipeline-2 again, the two ranks started as
                   ``mlx.launch`` starts them (a hostfile and MLX_RANK) but without it: its
-                  output threads spin (see ``run``), taking a 2-core machine's cores from the ranks
+                  output threads spin (see ``run``), taking a 2-core machine's cores from the ranks;
+                  and their two drafters again with a fixed ``--num-draft-tokens 4`` (", k = 4"),
+                  beside the default "auto" (rank 0's planner choosing every pass's length)
 
 Then the continuous-batching engine that ``serve`` and ``batch`` use, whose every step rank 0
 first sends to the other rank (``mlxspec.distributed.engine``): ``mlxspec batch`` on the same
@@ -26,8 +28,8 @@ between turns; one run per row disagreed by up to 2x), and reports its median ru
 records rank 0's decode tokens/s (``generation_tps``), its target passes, and the
 collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
-pipeline: one all-sum per stage; a speculative pass one more, rank 0's proposals) times passes per
-token. Speculation verifies several tokens per pass, so it divides the rounds per token by its
+pipeline: one all-sum per stage) times passes per token, plus rank 0's decisions per token (one
+all-sum each: a speculative pass's drafts, or a run of plain steps). Speculation verifies several tokens per pass, so it divides the rounds per token by its
 tokens per pass. Rank 0 alone drafts, the feature draft too: on a pipeline, the hidden state its
 head reads from rank 1's layers (the head taps layers 2, 15 and 27; rank 1 runs 0-14) rides
 rank 1's stage sum, one more hidden row per row of the pass in that round (``riding_taps``), not
@@ -75,6 +77,8 @@ def summarize(data):
 HIDDEN, LAYERS = 576, 30  # SmolLM2-135M
 IDLE_SECONDS = 10.0
 DIRECT = " (ranks started directly)"  # rows without mlx.launch (see run())
+FIXED_K = 4  # the draft length every sharded run drafted before rank 0 chose them
+FIXED = f", k = {FIXED_K}"
 # one-way latency (s) and bandwidth (bytes/s) per link: typical values, assumed
 LINKS = {"1 GbE": (50e-6, 117e6), "10 GbE": (15e-6, 1.17e9), "Thunderbolt bridge": (8e-6, 2.5e9)}
 ROUND_PROBE = """
@@ -143,9 +147,9 @@ def row(name: str, result: dict) -> dict:
     spec = result.get("speculative") or {}
     passes = spec.get("target_passes", tokens)
     per_pass = rounds_per_pass(result)
-    if spec and per_pass:  # rank 0 alone drafts: its proposals reach the others in one all-sum
-        per_pass += 1
     rounds = per_pass * passes / tokens
+    if spec and per_pass:  # rank 0 decides alone: each pass or plain stretch is one all-sum
+        rounds += spec["decisions"] / tokens
     # the default head's tap of layer 2, inside rank 1's stage of a 2-rank pipeline
     riding = 1 if spec.get("drafter", "").startswith("eagle-3") and "pipeline" in name else 0
     return {"config": name, "text_matches": None, "tokens": tokens, "riding_taps": riding,
@@ -285,12 +289,14 @@ def main() -> None:
             "--json"]
     drafting = {"plain": ["--draft", "none"], "prompt lookup": ["--prompt-lookup"],
                 "feature draft": ["--draft", "auto"]}
+    fixed = {f"{kind}{FIXED}": [*drafting[kind], "--num-draft-tokens", str(FIXED_K)]
+             for kind in ("prompt lookup", "feature draft")}
     texts, runs = {}, {}  # runs: row name -> one row per repeat
     configs = [(None, False), ("tensor", False), ("pipeline", False), ("tensor", True),
                ("pipeline", True)]
     for repeat in range(opts.repeats):  # every row once per turn: a load change hits them all
         for shard, direct in configs:
-            for kind, extra in drafting.items():
+            for kind, extra in {**drafting, **(fixed if direct else {})}.items():
                 name = f"{shard or 'one process'}-2 {kind}".replace("one process-2",
                                                                     "one process")
                 name += DIRECT if direct else ""
@@ -316,7 +322,7 @@ def main() -> None:
         by_name[f"{shard}-2 {kind}{how}"]["tokens_per_second"]
         / by_name[f"{shard}-2 plain{how}"]["tokens_per_second"], 2)
         for how in ("", DIRECT) for shard in ("tensor", "pipeline")
-        for kind in ("prompt lookup", "feature draft")}
+        for kind in ("prompt lookup", "feature draft", *(fixed if how else ()))}
     report = {
         "what": __doc__.split("\n\n")[0],
         "load_average_at_start": load_at_start,

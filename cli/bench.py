@@ -30,16 +30,14 @@ def command(model, prompt, max_tokens, repeats, as_json, draft, shard):
       mlxspec bench -m ./smollm2-q4 --max-tokens 128 --json
 
     With --shard (under mlx.launch) every rank runs the same decodes on its shard and rank 0
-    reports them; the feature draft drafts a fixed number of tokens.
+    reports them; rank 0 chooses the draft lengths.
     """
     from mlxspec.benchmark import DEFAULT_PROMPT, compare_decode
     from mlxspec.cli import render
-    from mlxspec.distributed import SHARDED_DRAFT_TOKENS
 
     result = compare_decode(
         model, prompt=prompt or DEFAULT_PROMPT, max_tokens=max_tokens, repeats=repeats,
         progress=None if as_json else (lambda msg: click.echo(f"... {msg}", err=True)),
         draft=draft, shard=shard,
-        num_draft_tokens="auto" if shard is None else SHARDED_DRAFT_TOKENS,
     )
     click.echo(render.as_json(result) if as_json else render.bench_table(result))

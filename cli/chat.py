@@ -46,7 +46,7 @@ def command(model, system, max_kv_size, live_stats, max_tokens, temp, top_p, top
     if system is not None:
         check_text(system, "--system")
     nn_model, tokenizer = load_sharded(model, shard)
-    if shard is not None:  # every rank decodes alike: a fixed draft length, rank 0's seed
+    if shard is not None:  # every rank samples alike: rank 0's seed
         num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
     leads = shard is not None and is_primary()
     draft, draft_tokenizer = load_draft(draft_model)

@@ -60,7 +60,7 @@ def command(model, prompt, system, no_chat_template, stop, max_kv_size, max_toke
         check_text(system, "--system")
     schema = read_json_schema(json_schema) if json_schema is not None else None
     nn_model, tokenizer = load_sharded(model, shard)
-    if shard is not None:  # every rank decodes alike: a fixed draft length, rank 0's seed
+    if shard is not None:  # every rank samples alike: rank 0's seed
         num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
     processors = [schema_processor(tokenizer, schema)] if json_schema is not None else None
     draft, draft_tokenizer = load_draft(draft_model)

@@ -9,7 +9,6 @@ See docs/distributed.md.
 """
 
 from mlxspec.distributed.group import (
-    SHARDED_DRAFT_TOKENS,
     DistributedError,
     Watchdog,
     agreed_decoding,
@@ -22,7 +21,6 @@ from mlxspec.distributed.group import (
 from mlxspec.distributed.shard import SHARD_MODES, load_sharded, shard_model
 
 __all__ = [
-    "SHARDED_DRAFT_TOKENS",
     "SHARD_MODES",
     "DistributedError",
     "Watchdog",

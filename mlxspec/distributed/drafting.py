@@ -1,12 +1,18 @@
 """Speculation with a sharded target, drafted on rank 0 alone: rank 0 builds and runs the
-drafter (a draft model, prompt lookup, a feature draft), its proposals reach the other ranks in
-one all-sum per pass, and every rank verifies the same tokens in the same sharded pass. The
-accepted tokens follow from the verification, which each rank computes alike, so every rank's
-caches stay the same without another message.
+drafter (a draft model, prompt lookup, a feature draft) and its planner, and before every pass
+its decision reaches the other ranks in one all-sum: the drafts to verify, or the number of plain
+steps to run. Every rank then runs the same sharded passes; the accepted tokens follow from the
+verification, which each rank computes alike, so every rank's caches stay the same without
+another message.
 
-The message is one int32 vector of ``k + 1`` words, ``[n, d1..dn, 0...]``, to which only rank 0
-contributes (the others add zeros, so the sum is exact), sent as :mod:`follow`'s messages are: on
-the stream of the forward passes, so it pairs with the same collective on every rank.
+The message is one int32 vector of ``most + 3`` words, ``[k, stretch, n, d1..dn, 0...]`` (``most``
+bounds every rank's k alike), to which only rank 0 contributes (the others add zeros, so the sum
+is exact), sent as :mod:`follow`'s messages are: on the stream of the forward passes, so it pairs
+with the same collective on every rank. Draft lengths are rank 0's auto-k choices, from its own
+timings (which include the ranks' rounds). A plain stretch runs whole on every rank: one process
+ends a stretch early when prompt lookup finds a match (or the other drafter of a pair is ready),
+checked after each token; across ranks that check would cost a message a token, so such a
+stretch is cut to :data:`LOOKOUT` steps and the check comes with the next decision.
 
 The other ranks hold a :class:`FollowerDrafter` instead of the drafter (no draft model loaded,
 no head): :func:`drafter_on_rank_0` builds the drafter on rank 0 and sends the little the others
@@ -27,9 +33,14 @@ from mlxspec.distributed.follow import MESSAGE, receive, send
 from mlxspec.distributed.group import DistributedError, ordered_all_sum
 from mlxspec.speculative.drafters import Draft, Drafter
 
+# Plain steps a stretch that one process could end after any token (a lookup match, the other
+# drafter's turn) runs before rank 0 decides again: each decision costs one round.
+LOOKOUT = 4
+
 
 class SharedDrafter(Drafter):
-    """``inner`` on rank 0; its proposals, sent over ``group``, on the others, which draft nothing.
+    """``inner`` on rank 0, whose decisions (``agree``) every rank of ``group`` runs; the others
+    draft nothing.
 
     Only the proposed tokens travel, not the distributions they were drawn from: use it where
     verification does not read them (greedy decoding, or seeded sampling, as every sharded run
@@ -37,6 +48,8 @@ class SharedDrafter(Drafter):
     alike on every rank). Rank 0's context is the inner drafter's own; the followers' inner
     drafter (a :class:`FollowerDrafter`) is left untouched.
     """
+
+    stops_early = False  # a stretch runs whole on every rank (see LOOKOUT)
 
     def __init__(self, inner: Drafter, group: mx.distributed.Group) -> None:
         # No Drafter.__init__: prefix, context and pass_costs are the inner drafter's.
@@ -62,19 +75,39 @@ class SharedDrafter(Drafter):
         if self.leader:
             self.inner.extend(tokens)
 
+    def planner(self, num_draft_tokens: int | str, sampling: Any) -> Any:
+        return self.inner.planner(num_draft_tokens, sampling)
+
     def propose(self, k: int, sampling: Any, logits_processor: Any = None,
                 keys: Any = None) -> Draft:
-        """Rank 0's proposal of at most ``k`` tokens, on every rank: (n,) uint32."""
-        words, caught_up = np.zeros(k + 1, np.int32), 0
+        """Rank 0's own proposal (``agree`` shares it)."""
+        return self.inner.propose(k, sampling, logits_processor, keys)
+
+    def agree(self, k: int, stretch: int, watched: bool, most: int,
+              propose: Callable[[], Draft]) -> tuple[int, int, Draft | None]:
+        """Rank 0's ``(k, stretch, proposal)`` on every rank, in one message (the module's
+        docstring); the arguments are read on rank 0 only, but ``most``, alike everywhere."""
+        words, caught_up = np.zeros(most + 3, np.int32), 0
         if self.leader:
-            draft = self.inner.propose(k, sampling, logits_processor, keys)
-            tokens, caught_up = draft.tokens[:k], draft.caught_up
-            words[0], words[1:1 + len(tokens)] = len(tokens), tokens
+            k = min(k, most)
+            tokens: list[int] = []
+            if k:
+                draft = propose()
+                tokens, caught_up = draft.tokens[:k], draft.caught_up
+            elif watched:
+                stretch = min(stretch, LOOKOUT)
+            words[:3] = k, stretch, len(tokens)
+            words[3:3 + len(tokens)] = tokens
         shared = ordered_all_sum(words, self.group)
-        return Draft(mx.array(shared[1:1 + int(shared[0])], mx.uint32), caught_up=caught_up)
+        k, stretch, n = (int(v) for v in shared[:3])
+        if k == 0:
+            return 0, stretch, None
+        return k, 0, Draft(mx.array(shared[3:3 + n], mx.uint32), caught_up=caught_up)
+
+    def can_propose(self) -> bool:
+        return self.inner.can_propose() if self.leader else True
 
     def unseen(self) -> int:
-        # Read only by the timing-based draft length, which sharded runs do not use (a fixed k).
         return self.inner.unseen() if self.leader else 0
 
     def unsupported_reason(self) -> str | None:

@@ -141,20 +141,15 @@ def waiting_for_input(model: Any) -> contextlib.AbstractContextManager:
     return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
 
 
-# With a sharded target every rank must make the same decisions, or their forward passes stop
-# matching and a collective blocks. Each rank times its own passes, so "auto" draft lengths
-# (chosen from timings) would differ: sharded runs draft a fixed number of tokens.
-SHARDED_DRAFT_TOKENS = 4
-
-
 def agreed_decoding(num_draft_tokens: int | str, seed: int | None,
-                    group: mx.distributed.Group | None = None) -> tuple[int, int]:
-    """``(num_draft_tokens, seed)`` every rank of a sharded run decodes with: a fixed draft
-    length (:data:`SHARDED_DRAFT_TOKENS` for ``"auto"``), and rank 0's seed (a random one when
-    none was given), so that every sampled token and every rejection-sampling draw is the same
-    on every rank (mlxspec draws the token at each position with a key from the seed)."""
+                    group: mx.distributed.Group | None = None) -> tuple[int | str, int]:
+    """``(num_draft_tokens, seed)`` every rank of a sharded run decodes with: the draft length
+    as given (an int, or ``"auto"``: rank 0 chooses each pass's, :mod:`.drafting`), and rank
+    0's seed (a random one when none was given), so that every sampled token and every
+    rejection-sampling draw is the same on every rank (mlxspec draws the token at each position
+    with a key from the seed)."""
     group = group or mx.distributed.init()
-    k = SHARDED_DRAFT_TOKENS if num_draft_tokens == "auto" else int(num_draft_tokens)
+    k = "auto" if num_draft_tokens == "auto" else int(num_draft_tokens)
     mine = seed if seed is not None else int.from_bytes(os.urandom(3), "little")
     # rank 0's value reaches every rank: the others add zeros (exact in float32 below 2**24)
     shared = mx.distributed.all_sum(mx.array(float(mine) if group.rank() == 0 else 0.0),

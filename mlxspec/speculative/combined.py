@@ -94,6 +94,8 @@ class PairPlanner:
     own pause.
     """
 
+    interruptible = True  # the other drafter's turn may end a plain stretch early
+
     def __init__(self, pair: CombinedDrafter, num_draft_tokens: int | str,
                  sampling: SamplingParams):
         self.pair = pair

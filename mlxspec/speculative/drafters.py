@@ -86,6 +86,7 @@ class Drafter:
     """
 
     name = "drafter"
+    stops_early = True  # a check after any token of a plain stretch may end it (``agree``)
     step_seconds: float | None = None
     catch_up_seconds: float | None = None
 
@@ -121,6 +122,15 @@ class Drafter:
         drafter's cost estimates and ``pass_costs``)."""
         return DraftLengthPlanner(num_draft_tokens, self.step_seconds, self.catch_up_seconds,
                                   self.pass_costs, greedy=sampling.greedy)
+
+    def agree(self, k: int, stretch: int, watched: bool, most: int,
+              propose: Callable[[], Draft]) -> tuple[int, int, Draft | None]:
+        """What the next pass runs, ``(k, stretch, proposal)``: ``propose()`` (at most ``k``
+        drafts) when k > 0, else ``stretch`` plain steps and None. One process runs what it
+        decided; a sharded target's ranks run rank 0's decision (``mlxspec.distributed``), for
+        which ``watched`` says that a check after each token would end the stretch early and
+        ``most`` bounds every rank's k alike."""
+        return k, stretch, (propose() if k else None)
 
     def can_propose(self) -> bool:
         """Whether ``propose`` would propose anything now (prompt lookup: only on a match).

@@ -45,6 +45,7 @@ from mlxspec.sampling import (
     processed_probs,
 )
 from mlxspec.speculative.drafters import Drafter
+from mlxspec.speculative.planner import K_MAX
 from mlxspec.speculative.stats import SpecStats
 from mlxspec.speculative.verify import verify_greedy, verify_sampling, verify_seeded
 
@@ -123,6 +124,17 @@ def _plain_steps(
                 count = i + 2
             token, logprobs = next_token, next_logprobs
         i += 1
+
+
+def _asked_only(stop: Callable[[], bool]) -> Callable[[], bool]:
+    """``stop`` asked after each token as before (a pair planner counts the other drafter's
+    turns there), its answer not followed: the plain stretch runs whole."""
+
+    def asked() -> bool:
+        stop()
+        return False
+
+    return asked
 
 
 def _draft_limit(left: int, cache: list[Any], kv_bits: int | None, quantized_kv_start: int) -> int:
@@ -255,12 +267,26 @@ def speculative_generate_step(
     try:
         while generated < max_tokens:
             left = max_tokens - generated
+            limit = _draft_limit(left, prompt_cache, kv_bits, quantized_kv_start)
             can_propose = draft.can_propose()  # prompt lookup: only on a match
-            k = planner.choose(_draft_limit(left, prompt_cache, kv_bits, quantized_kv_start),
-                               draft.unseen()) if can_propose else 0
-            if k == 0:  # plain steps, pipelined: the planner's pause, or until a draft can come
-                stretch = planner.plain_stretch(left) if can_propose else left
-                stop = planner.interrupts if can_propose else draft.can_propose
+            k = planner.choose(limit, draft.unseen()) if can_propose else 0
+            # k = 0: plain steps, pipelined: the planner's pause, or until a draft can come
+            planned = 0 if k else planner.plain_stretch(left) if can_propose else left
+            stop = planner.interrupts if can_propose else draft.can_propose
+            with mx.stream(generation_stream):
+                # 1. Draft up to k tokens (a sharded target: rank 0's decision, every rank).
+                tic = time.perf_counter()
+                seen = mx.concatenate([history, last.astype(history.dtype)]) if processors else None
+                keys = (lambda i, p=position: position_key(seed, p + i)) if seeded else None
+                k, stretch, proposal = draft.agree(
+                    k, planned, not can_propose or planner.interruptible,
+                    max(min(planner.fixed or K_MAX, limit), 0),
+                    lambda k=k, seen=seen, keys=keys: draft.propose(
+                        k, sampling, _draft_logits_processor(processors, seen), keys))
+            stats.decisions += 1
+            if k == 0:
+                if not draft.stops_early:
+                    stop = _asked_only(stop)  # the ranks run the stretch they agreed on whole
                 sampler = sampling.sampler(seed if seeded else None, position)
                 tokens, times = [], []
                 with mx.stream(generation_stream):
@@ -286,7 +312,7 @@ def speculative_generate_step(
                 for seconds in times[:first] + [sum(rest) / max(len(rest), 1)] * len(rest):
                     planner.observe(0, 0, 0, 0.0, seconds, 0)
                 if can_propose:
-                    planner.plain_stretch_ended(stretch - len(tokens))
+                    planner.plain_stretch_ended(max(planned - len(tokens), 0))
                 if processors:  # [last, t1..t_{n-1}] are now in the cache
                     seen = mx.array([last.item(), *tokens[:-1]], history.dtype)
                     history = mx.concatenate([history, seen])
@@ -295,12 +321,6 @@ def speculative_generate_step(
                 continue
 
             with mx.stream(generation_stream):
-                # 1. Draft up to k tokens.
-                tic = time.perf_counter()
-                seen = mx.concatenate([history, last.astype(history.dtype)]) if processors else None
-                keys = (lambda i, p=position: position_key(seed, p + i)) if seeded else None
-                proposal = draft.propose(k, sampling, _draft_logits_processor(processors, seen),
-                                         keys)
                 # A model's drafts start computing now, while Python builds the verify pass on
                 # them (~3.5 ms for SmolLM2 on a CPU): the two overlap where a GPU computes; a
                 # 2-core CPU has little room for it (docs/feature-drafts.md).

@@ -122,6 +122,8 @@ class DraftLengthPlanner:
         greedy: whether the generation decodes greedily (the acceptance prior it starts from).
     """
 
+    interruptible = False  # ``interrupts`` never ends a plain stretch early
+
     def __init__(
         self,
         num_draft_tokens: int | str = "auto",

@@ -14,6 +14,8 @@ class SpecStats:
         generated: tokens produced.
         target_passes: target forwards after the prompt (speculative and plain).
         plain_passes: of which without drafts (speculation paused or nothing proposed).
+        decisions: speculative passes and plain stretches (runs of plain steps) decided; a
+            sharded target sends each to the other ranks in one message.
         accepted_lengths: histogram; ``accepted_lengths[n]`` = passes with drafts that kept n.
         draft_seconds / verify_seconds: time spent drafting / in target passes (with each
             pass's bookkeeping: the rollback, the drafter taking the accepted tokens in).
@@ -29,6 +31,7 @@ class SpecStats:
     generated: int = 0
     target_passes: int = 0
     plain_passes: int = 0
+    decisions: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -81,6 +84,7 @@ class SpecStats:
             "generated": self.generated,
             "target_passes": self.target_passes,
             "plain_passes": self.plain_passes,
+            "decisions": self.decisions,
             "tokens_per_pass": self.tokens_per_pass,
             "mean_k": self.mean_k,
             "accepted_lengths": list(self.accepted_lengths),

@@ -8,14 +8,15 @@ import sys
 
 import pytest
 
-from mlxspec.distributed import SHARDED_DRAFT_TOKENS, agreed_decoding
+from mlxspec.distributed import agreed_decoding
 
 
-def test_a_sharded_run_drafts_a_fixed_length_and_keeps_a_given_seed():
-    assert agreed_decoding("auto", 1234) == (SHARDED_DRAFT_TOKENS, 1234)
+def test_a_sharded_run_keeps_auto_draft_lengths_and_a_given_seed():
+    # "auto" stays: rank 0 chooses each pass's length for every rank (test_shared_drafting.py)
+    assert agreed_decoding("auto", 1234) == ("auto", 1234)
     assert agreed_decoding(7, 0) == (7, 0)
     k, seed = agreed_decoding("auto", None)  # none given: rank 0 draws one for everybody
-    assert k == SHARDED_DRAFT_TOKENS and 0 <= seed < 2**24
+    assert k == "auto" and 0 <= seed < 2**24
 
 
 def test_doctor_says_one_process_without_a_launcher(monkeypatch):
@@ -26,10 +27,10 @@ def test_doctor_says_one_process_without_a_launcher(monkeypatch):
     assert _group().startswith("one process") and "docs/distributed.md" in _group()
 
 
-@pytest.mark.parametrize("value", ["auto", 3])
-def test_a_draft_length_is_an_int_on_every_rank(value):
+@pytest.mark.parametrize("value", ["3", 3])
+def test_a_fixed_draft_length_is_an_int_on_every_rank(value):
     k, _ = agreed_decoding(value, 5)
-    assert isinstance(k, int) and k == (SHARDED_DRAFT_TOKENS if value == "auto" else value)
+    assert isinstance(k, int) and k == 3
 
 
 WEDGED = """

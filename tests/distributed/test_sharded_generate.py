@@ -41,7 +41,7 @@ def one_process_text(args: list[str]) -> str:
 @pytest.mark.parametrize(("shard", "drafting"), [
     ("tensor", ["--draft", "none"]), ("tensor", ["--prompt-lookup"]),
     ("tensor", ["--draft", "auto"]), ("pipeline", ["--draft", "none"]),
-    ("pipeline", ["--draft", "auto"])],
+    ("pipeline", ["--draft", "auto", "--num-draft-tokens", "4"])],
     ids=["tensor-plain", "tensor-prompt lookup", "tensor-feature draft and prompt lookup",
          "pipeline-plain", "pipeline-feature draft and prompt lookup"])
 def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
@@ -55,14 +55,18 @@ def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
     assert got["text"] == want and got["generation_tokens"] == 12
     assert got["group"] == {"backend": "ring", "world_size": 2, "rank": 0, "layout": LAYOUTS[shard]}
     assert follower == ""  # rank 0 alone prints
-    if drafting[-1] in DRAFTERS:  # the shipped EAGLE-3 head for "auto"; drafted on rank 0
-        assert got["speculative"]["drafter"] == DRAFTERS[drafting[-1]]
-        assert got["speculative"]["mean_k"] > 0  # it drafted: one pass verified several tokens
-    if shard == "pipeline" and drafting[-1] == "auto":
+    drafter = drafting[0] if drafting[0] == "--prompt-lookup" else drafting[1]
+    if drafter in DRAFTERS:  # the shipped EAGLE-3 head for "auto"; drafted on rank 0
+        spec = got["speculative"]
+        assert spec["drafter"] == DRAFTERS[drafter]
+        assert spec["mean_k"] > 0  # it drafted: one pass verified several tokens
+        if "--num-draft-tokens" not in drafting:  # rank 0's auto-k: plain steps and passes
+            assert spec["plain_passes"] > 0 and spec["target_passes"] > spec["plain_passes"]
+    if shard == "pipeline" and drafter == "auto":
         # A pipeline computes each layer whole (its sums add zeros), so the head reads the very
         # hidden states one process gives it (the tap entering layer 2 comes from rank 1's
         # stage): it drafts and keeps the same tokens, pass for pass.
-        alone = one_process([*args, *drafting, "--num-draft-tokens", "4"])
+        alone = one_process([*args, *drafting])
         assert alone.returncode == 0, alone.stderr
         want_lengths = json_of(alone.stdout)["speculative"]["accepted_lengths"]
         assert got["speculative"]["accepted_lengths"] == want_lengths

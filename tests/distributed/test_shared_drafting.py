@@ -1,8 +1,9 @@
-"""With a sharded target, rank 0 alone drafts and every rank gets its proposals: on two real ring
-processes, a follower whose drafter would fail if asked anything still verifies rank 0's prompt
-lookup proposals, the full ones and an empty one; and a follower never loads rank 0's draft
-model, yet decodes the same greedy text with it (the text equal to one process:
-test_sharded_generate.py)."""
+"""With a sharded target, rank 0 alone drafts and decides, and every rank runs its decisions: on
+two real ring processes, a follower whose drafter would fail if asked anything, and whose own
+decisions differ, still verifies rank 0's prompt lookup proposals (the full ones and an empty
+one) and runs rank 0's plain stretches (cut to LOOKOUT steps where one process would check for a
+match after each token); and a follower never loads rank 0's draft model, yet decodes the same
+greedy text with it (the text equal to one process: test_sharded_generate.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import pytest
 from ring import ring
 
+from mlxspec.distributed.drafting import LOOKOUT
 from mlxspec.speculative.drafters import PromptLookupDrafter
 
 pytestmark = pytest.mark.slow
@@ -31,14 +33,24 @@ class Refusing(Drafter):
     def extend(self, tokens): raise AssertionError("a follower extended its drafter")
     def propose(self, *args, **kwargs): raise AssertionError("a follower drafted")
 
+def refuse():
+    raise AssertionError("a follower drafted")
+
 group = mx.distributed.init()
-inner = PromptLookupDrafter() if group.rank() == 0 else Refusing()
+leader = group.rank() == 0
+inner = PromptLookupDrafter() if leader else Refusing()
 shared = SharedDrafter(inner, group)
 got = []
 for context in CONTEXTS:
     shared.begin(context)
-    got.append(shared.propose(4, None).tokens)
+    # the follower's own decision (a plain stretch of 9) must not matter
+    k, stretch, draft = shared.agree(*((4, 0) if leader else (0, 9)), False, 4,
+                                     lambda: shared.propose(4, None) if leader else refuse())
+    got.append([k, stretch, draft.tokens])
     shared.extend([0])
+for watched in (False, True):  # rank 0 pauses for 7 plain steps; the follower would draft 2
+    k, stretch, draft = shared.agree(*((0, 7) if leader else (2, 0)), watched, 4, refuse)
+    got.append([k, stretch, draft])
 sys.stdout.write(json.dumps(got) + "\\n")
 """
 
@@ -48,8 +60,10 @@ def test_followers_verify_the_proposals_rank_0_alone_drafted(tmp_path):
     for context in CONTEXTS:
         drafter = PromptLookupDrafter()
         drafter.begin(context)
-        want.append(drafter.propose(4, None).tokens)
-    assert want[0] == [7, 8, 9, 5] and want[1] == []
+        want.append([4, 0, drafter.propose(4, None).tokens])
+    assert want[0][2] == [7, 8, 9, 5] and want[1][2] == []
+    want += [[0, 7, None], [0, LOOKOUT, None]]  # a watched stretch: LOOKOUT steps, then decide
+    assert LOOKOUT < 7
     script = f"CONTEXTS = {CONTEXTS!r}\n{SCRIPT}"
     with ring([], tmp_path, program=(sys.executable, "-c", script)) as procs:
         outs = [p.communicate(timeout=TIMEOUT) for p in procs]

@@ -200,6 +200,10 @@ def test_paused_speculation_decodes_plainly_and_exactly(tiny_target):
         plain_tokens(model, PROMPT, 60)
     speculative_passes = stats.target_passes - stats.plain_passes
     assert 1 <= speculative_passes <= 6 and stats.plain_passes >= 45
+    # each pause (16, then 32 tokens) runs as one stretch of plain steps: one decision (a
+    # sharded target's message) for all of its tokens, not one a token
+    stretches = stats.decisions - speculative_passes
+    assert 1 <= stretches <= stats.plain_passes / 8
     cache = make_prompt_cache(model)
     steps = speculative_generate_step(mx.array(PROMPT), model, SlowDrafter(model),
                                       sampling=GREEDY, max_tokens=60, prompt_cache=cache)
