@@ -156,7 +156,7 @@ def row(name: str, result: dict) -> dict:
             "tokens_per_second": round(result["generation_tps"], 2), "target_passes": passes,
             "tokens_per_pass": round(tokens / passes, 2),
             "rounds_per_token": round(rounds, 2),
-            "rows_per_pass": round(tokens / passes + 1, 2) if spec else 1}
+            "rows_per_pass": round((passes + spec["drafted"]) / passes, 2) if spec else 1}
 
 
 def median_row(repeats: list[dict]) -> dict:

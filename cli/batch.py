@@ -50,7 +50,7 @@ def command(prompts, out, model, max_tokens, temp, top_p, top_k, min_p, seed, st
 
     nn_model, tokenizer = load_sharded(model, shard)
     make_engine = Engine
-    if shard is not None:  # every rank decodes alike: rank 0's seed, the engine's fixed draft length
+    if shard is not None:  # every rank decodes alike: rank 0's seed
         num_draft_tokens, seed = agreed_decoding(num_draft_tokens, seed)
         batch_size = batch_size or SHARDED_BATCH_SIZE
         make_engine = functools.partial(LeadingEngine, seed=seed)

@@ -120,8 +120,8 @@ def compare_decode(
     left out when there is none; or a head's directory), reported as the ``draft`` engine with
     its tokens per target pass and ``draft_ratio`` (÷ mlxspec's plain decoding), drafting
     ``num_draft_tokens``. ``shard`` ("tensor" or "pipeline", under ``mlx.launch``): the model is
-    sharded over the group and every rank runs the same decodes (a sharded run must give a fixed
-    ``num_draft_tokens``: "auto" chooses from each rank's own timings).
+    sharded over the group and every rank runs the same decodes (with "auto", rank 0's draft
+    lengths: ``mlxspec.distributed.drafting``).
 
     Runs alternate between the two (after one warm-up each) so that drift in machine load hits
     both; medians of ``repeats`` runs are reported.

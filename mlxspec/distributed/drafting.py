@@ -23,6 +23,7 @@ keeps them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,7 +99,9 @@ class SharedDrafter(Drafter):
                 stretch = min(stretch, LOOKOUT)
             words[:3] = k, stretch, len(tokens)
             words[3:3 + len(tokens)] = tokens
+        tic = time.perf_counter()
         shared = ordered_all_sum(words, self.group)
+        self.round_seconds = time.perf_counter() - tic
         k, stretch, n = (int(v) for v in shared[:3])
         if k == 0:
             return 0, stretch, None

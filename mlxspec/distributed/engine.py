@@ -6,9 +6,9 @@ changes the engine (open, ``share_prefix``, ``submit``, ``cancel``, ``step``, ``
 the call to the other ranks (:mod:`mlxspec.distributed.follow`), which make it on their own
 engine (:func:`follow_engine`). Every rank then has the same streams and runs the same forward
 passes, batched or speculative. The one decision an engine takes from its own timings, whether
-a lone stream decodes speculatively, is rank 0's and travels in each step's header; the draft
-length is fixed (:data:`SHARDED_DRAFT_TOKENS` for ``"auto"``). Requests sample from MLX's
-generator seeded alike on every rank before the first request.
+a lone stream decodes speculatively, is rank 0's and travels in each step's header; that
+stream's draft lengths are rank 0's too (its loop's decisions, :mod:`.drafting`). Requests
+sample from MLX's generator seeded alike on every rank before the first request.
 
 Messages (``op``): ``open`` (``options``: the engine's keyword arguments but the drafter;
 ``draft``: whether it has one; ``seed``), ``share_prefix`` (``tokens``), ``submit``
@@ -41,11 +41,6 @@ from mlxspec.distributed.follow import (
 from mlxspec.distributed.group import lost_peer, peer_lost_error, waiting_for_input
 from mlxspec.serving.engine import Engine
 from mlxspec.serving.requests import Event, Request
-
-# The engine's auto-k chooses from each rank's own timings, which differ: a sharded engine's
-# speculative steps draft a fixed number of tokens (the one-stream loop takes rank 0's choices,
-# mlxspec.distributed.drafting).
-SHARDED_DRAFT_TOKENS = 4
 
 # Streams a sharded batch job decodes together unless --batch-size says: the measured choice
 # (``choose_batch_size``) times each rank's own passes, so the ranks could choose differently.
@@ -83,8 +78,6 @@ class LeadingEngine(_Mirrored):
                  group: mx.distributed.Group | None = None, **options: Any):
         self.group = group or mx.distributed.init()
         self.ticker = Ticker(self.group)
-        if options.get("num_draft_tokens", "auto") == "auto":
-            options["num_draft_tokens"] = SHARDED_DRAFT_TOKENS
         shared = {k: v for k, v in options.items() if k != "draft"}
         self._send(MESSAGE, {"op": "open", "options": shared, "seed": seed,
                              "draft": options.get("draft") is not None})

@@ -79,7 +79,7 @@ def start_server(
                        prompt_lookup=prompt_lookup, ngram_max=ngram_max,
                        min_confidence=draft_min_confidence)
     make_engine = Engine
-    if shard is not None:  # every rank decodes alike: one seed, the engine's fixed draft length
+    if shard is not None:  # every rank decodes alike: one seed
         from mlxspec.distributed.engine import LeadingEngine, follow_engine
 
         num_draft_tokens, seed = agreed_decoding(num_draft_tokens, None)

@@ -87,6 +87,7 @@ class Drafter:
 
     name = "drafter"
     stops_early = True  # a check after any token of a plain stretch may end it (``agree``)
+    round_seconds = 0.0  # the last ``agree``'s message to the other ranks (none in one process)
     step_seconds: float | None = None
     catch_up_seconds: float | None = None
 

@@ -290,7 +290,7 @@ def speculative_generate_step(
                 sampler = sampling.sampler(seed if seeded else None, position)
                 tokens, times = [], []
                 with mx.stream(generation_stream):
-                    tic = time.perf_counter()
+                    tic = time.perf_counter() - draft.round_seconds  # the stretch's decision
                     for token, logprobs in _plain_steps(
                         model, prompt_cache, last, history, processors, sampler, stretch,
                         stop=stop, after_forward=lambda: quantize(prompt_cache),
@@ -328,10 +328,11 @@ def speculative_generate_step(
                 drafts = proposal.array[:k]  # maybe not computed yet: one wait for the pass
                 drafts = drafts[: _valid_prefix(processors, seen, drafts)]
                 drafted = drafts.size
-                draft_s = time.perf_counter() - tic
+                # a sharded target's decision message is a cost of the pass, not of its drafts
+                draft_s = time.perf_counter() - tic - draft.round_seconds
 
                 # 2. Verify them all in one target pass over [last, d1..dk].
-                tic = time.perf_counter()
+                tic = time.perf_counter() - draft.round_seconds
                 inputs = mx.concatenate([last, drafts])
                 logprobs = _target_logprobs(model, prompt_cache, inputs, history, processors)
                 rollback_on_close = drafted  # the drafts are in the cache, not yet verified
