@@ -11,9 +11,11 @@ measured online, robustly: each estimate is the lower median of the last ``WINDO
 so one slow pass (a kernel compiled on first use, a busy machine) is outvoted as soon as a second
 pass of the same kind is measured, and the first pass of a generation (warm-up) is not used at
 all. The verify cost is c0 + slope * k, the slope the lower median of the measured lengths'
-slopes (before any speculative pass: the prompt prefill's cost per token). One-off costs (the
-drafter catching up on a long context) are measured per caught-up token and charged only when a
-catch-up is due, never to the per-token drafting cost.
+slopes (before any speculative pass: the prompt prefill's cost per token); c0, the plain cost,
+is bounded by the passes that verified drafts (``plain_cost``: the first plain steps of a
+generation can all be slow). One-off costs (the drafter catching up on a long context) are
+measured per caught-up token and charged only when a catch-up is due, never to the per-token
+drafting cost.
 
 k = 0 is a plain decoding step. Speculation starts with a trial once plain decoding is measured:
 no "off" verdict comes before at least one speculative pass was measured (unless its catch-up
@@ -203,20 +205,22 @@ class DraftLengthPlanner:
     def plain_cost(self) -> float:
         """Seconds per plain decoding pass (needs a measured plain pass).
 
-        A pass that verified drafts costs at least a plain step. When one measured less, the
-        plain steps were measured slow (the first steps after a prompt can take twice the
-        steady step, and a generation measures plain decoding there first): the cheapest such
-        pass bounds the plain cost instead. Against the slow value every verified draft looked
-        free, and prompt lookup, whose drafts cost nothing, drafted 9-13 tokens a pass for 1.4
+        A pass that verified drafts costs at least a plain step. When such passes measured less
+        (the lower median of all of them, pooled: one quick pass of a rarely chosen length is
+        outvoted), the plain steps were measured slow (the first steps after a prompt can take
+        twice the steady step, and a generation measures plain decoding there first), and they
+        bound the plain cost instead. Against the slow value every verified draft looked free,
+        and prompt lookup, whose drafts cost nothing, drafted 9-13 tokens a pass for 1.4
         (SmolLM2, 2 CPU cores, a code answer it matches poorly, alternating runs: 0.87x plain
-        decoding where a fixed k = 1 made 1.17x; with the bound 1.13x against 1.15x)."""
-        passes = [lower_median(c) for j, c in self.verify_costs.items() if j > 0 and c]
-        return min([lower_median(self.verify_costs[0]), *passes])
+        decoding where a fixed k = 1 made 1.17x; with the bound 1.01x against 1.15x)."""
+        plain = lower_median(self.verify_costs[0])
+        drafted = [t for j, c in self.verify_costs.items() if j > 0 for t in c]
+        return min(plain, lower_median(drafted)) if drafted else plain
 
     def verify_line(self) -> tuple[float, float]:
-        """Seconds of a plain pass and seconds more per verified draft (> 0): the lower median
-        of the measured passes' slopes over the plain cost, leaving out a pass that bounds it
-        (no slope: the prefill's cost per token, until a pass costs more than the plain one)."""
+        """Seconds of a plain pass and seconds more per verified draft (>= 0): the lower median
+        of the slopes of the draft lengths whose passes cost more than the plain cost (none:
+        the prefill's cost per token, 0 without one)."""
         c0 = self.plain_cost
         slopes = [(lower_median(c) - c0) / j for j, c in self.verify_costs.items()
                   if j > 0 and c and lower_median(c) > c0]

@@ -62,10 +62,11 @@ def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
     if drafter in DRAFTERS:  # the shipped EAGLE-3 head for "auto"; drafted on rank 0
         spec = got["speculative"]
         assert spec["drafter"] == DRAFTERS[drafter]
-        assert spec["mean_k"] > 0  # it drafted: one pass verified several tokens
-        if "--num-draft-tokens" not in drafting:  # rank 0's auto-k, a stretch of plain steps
-            assert spec["num_draft_tokens"] == "auto"  # run as one decision among them
-            assert spec["decisions"] < spec["target_passes"]
+        if "--num-draft-tokens" in drafting:
+            assert spec["mean_k"] > 0  # it drafted: one pass verified several tokens
+        else:  # rank 0's auto-k (whether it drafts within 12 tokens depends on its timings);
+            assert spec["num_draft_tokens"] == "auto"  # its first stretch of plain steps ran
+            assert spec["decisions"] < spec["target_passes"]  # as one decision
     if shard == "pipeline" and drafter == "auto":
         # A pipeline computes each layer whole (its sums add zeros), so the head reads the very
         # hidden states one process gives it (the tap entering layer 2 comes from rank 1's
