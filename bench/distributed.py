@@ -29,11 +29,11 @@ records rank 0's decode tokens/s (``generation_tps``), its target passes, and th
 collective rounds per generated token: rounds per target pass (tensor: one all-reduce per layer
 when only the MLP is split, as for SmolLM2's 9 heads on 2 ranks, two with heads split too;
 pipeline: one all-sum per stage) times passes per token, plus rank 0's decisions per token (one
-all-sum each: a speculative pass's drafts, or a run of plain steps). Speculation verifies several tokens per pass, so it divides the rounds per token by its
-tokens per pass. Rank 0 alone drafts, the feature draft too: on a pipeline, the hidden state its
-head reads from rank 1's layers (the head taps layers 2, 15 and 27; rank 1 runs 0-14) rides
-rank 1's stage sum, one more hidden row per row of the pass in that round (``riding_taps``), not
-a round of its own.
+all-sum each: a speculative pass's drafts, or a run of plain steps). Speculation verifies several
+tokens per pass, so it divides the rounds per token by its tokens per pass. Rank 0 alone
+drafts, the feature draft too: on a pipeline, the hidden state its head reads from rank 1's
+layers (the head taps layers 2, 15 and 27; rank 1 runs 0-14) rides rank 1's stage sum, one more
+hidden row per row of the pass in that round (``riding_taps``), not a round of its own.
 
 What loopback cannot show is a real network's latency. The run measures one round on loopback
 (an all-sum of one hidden row: the 10th percentile of many, since on a loaded machine the median

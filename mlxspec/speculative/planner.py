@@ -222,8 +222,8 @@ class DraftLengthPlanner:
         of the slopes of the draft lengths whose passes cost more than the plain cost (none:
         the prefill's cost per token, 0 without one)."""
         c0 = self.plain_cost
-        slopes = [(lower_median(c) - c0) / j for j, c in self.verify_costs.items()
-                  if j > 0 and c and lower_median(c) > c0]
+        medians = ((j, lower_median(c)) for j, c in self.verify_costs.items() if j > 0 and c)
+        slopes = [(m - c0) / j for j, m in medians if m > c0]
         slope = lower_median(slopes) if slopes else (self.prior_slope or 0.0)
         return c0, slope
 
