@@ -67,10 +67,11 @@ def test_sharded_greedy_text_equals_one_process(tmp_path, shard, drafting):
         else:  # rank 0's auto-k (whether it drafts within 12 tokens depends on its timings);
             assert spec["num_draft_tokens"] == "auto"  # its first stretch of plain steps ran
             assert spec["decisions"] < spec["target_passes"]  # as one decision
-    if shard == "pipeline" and drafter == "auto":
+    if shard == "pipeline" and drafter == "auto" and "--num-draft-tokens" in drafting:
         # A pipeline computes each layer whole (its sums add zeros), so the head reads the very
         # hidden states one process gives it (the tap entering layer 2 comes from rank 1's
-        # stage): it drafts and keeps the same tokens, pass for pass.
+        # stage): it drafts and keeps the same tokens, pass for pass (with a fixed k: auto-k's
+        # lengths follow each run's timings).
         alone = one_process([*args, *drafting])
         assert alone.returncode == 0, alone.stderr
         want_lengths = json_of(alone.stdout)["speculative"]["accepted_lengths"]
